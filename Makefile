@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.expq-installed
+DEMO   ?= build/demo
+
+.PHONY: install demo test test-gpu bench clean
+
+install: $(STAMP)
+
+# torch first, pinned, so that pip takes the local CPU wheel instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m expq.demo $(DEMO)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15 tests
+
+# GPU tests (need CUDA; run them on a GPU machine).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,30 @@
+"""expq: exact experts-only int8 (vLLM ``experts_int8``) conversion of Hugging Face Mixture-of-Experts checkpoints.
+
+Python API (the CLI ``expq`` is a thin layer over it):
+
+* ``expq.convert(src, out, ...) -> ConvertReport`` and ``expq.inspect(src, ...) -> Plan``
+* ``expq.verify(out, source=None, ...) -> VerifyReport``
+* ``expq.load_model(path, ...)`` and ``expq.load_experts(path, layer=None)``
+* ``expq.push(out, repo_id, ...)``
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "convert": "api", "inspect": "api", "ConvertReport": "api",
+    "verify": "verifier", "VerifyReport": "verifier",
+    "load_model": "runtime", "load_experts": "runtime",
+    "push": "hub",
+    "ExpqError": "errors",
+}
+
+__all__ = list(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'expq' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"expq.{mod}"), name)

@@ -1,0 +1,187 @@
+"""The public entry points ``convert`` and ``inspect``: source -> plan -> pipeline -> writer."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import __version__
+from .formats import compressed_tensors as ct
+from .layouts import Layout
+from .pipeline import RunStats, parse_devices, run_plan
+from .plan import Plan, make_plan
+from .source import Source, resolve_source
+from .writer import MANIFEST, OutputDir, ShardSet, config_json, index_json
+
+FORMATS = ("compressed-tensors",)
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did. Sizes in bytes, time in seconds.
+
+    ``tensors_quantized`` counts source tensors holding routed experts, ``matrices_quantized`` the expert projection
+    matrices (layers x experts x 3); ``zero_rows`` rows were all zero (scale 0); ``underflow_rows`` had a scale that
+    underflowed in the compute dtype (listed in ``underflow_examples``, up to 20).
+    """
+
+    out: str
+    source: str
+    revision: str | None
+    commit: str | None
+    architecture: str | None
+    model_type: str | None
+    layout: str
+    format: str
+    compute_dtype: str
+    layers: int
+    moe_layers: list[int]
+    dense_layers: list[int]
+    experts: int
+    tensors_quantized: int
+    tensors_copied: int
+    matrices_quantized: int
+    side_files_copied: int
+    shards: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    devices: list[str]
+    zero_rows: int
+    underflow_rows: int
+    nonfinite_rows: int
+    underflow_examples: list[str] = field(default_factory=list)
+    nonfinite_examples: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path | Layout | None = None,
+            dtype: str = "auto", max_shard_size: str | int = "5GB", token: str | None = None) -> Plan:
+    """What ``convert`` would do, without writing anything.
+
+    Args:
+        src: a local checkpoint directory or a Hub repo id (see ``source.resolve_source``).
+        revision, token: for Hub repo ids.
+        layout, dtype, max_shard_size: as for ``convert``.
+
+    Returns:
+        the Plan (``plan.summary()`` is a JSON-ready description).
+
+    Raises:
+        SourceError, LayoutError: see ``source.resolve_source`` and ``plan.make_plan``.
+    """
+    source = resolve_source(src, revision=revision, token=token)
+    return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tensors", dtype: str = "auto",
+            device: str = "auto", revision: str | None = None, max_shard_size: str | int = "5GB",
+            overwrite: bool = False, layout: str | Path | Layout | None = None, allow_nonfinite: bool = False,
+            token: str | None = None, fsync: bool = True,
+            on_plan: Callable[[Plan], None] | None = None,
+            on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
+
+    Args:
+        src: a local checkpoint directory or a Hub repo id (``revision``, ``token``; the user's cache and login,
+            ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are honoured). Never modified.
+        out: the output directory: must not exist or be empty, unless ``overwrite``.
+        format: output format; ``compressed-tensors`` (pack-quantized W8A16, channel-wise).
+        dtype: compute dtype: ``auto`` (vLLM's ``--dtype auto`` rule), ``bfloat16``, ``float16`` or ``float32``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...`` (results are identical on all).
+        max_shard_size: largest output shard, e.g. ``"5GB"``.
+        layout: a layout file (``configs/*.toml`` format) for an architecture expq does not know.
+        allow_nonfinite: quantize rows holding NaN/inf as vLLM would instead of refusing them.
+        fsync: flush each file to disk before renaming it (on by default).
+        on_plan: called with the plan before any work; on_progress: called after each source tensor with
+            (its bytes, output shards finished so far).
+
+    Returns:
+        ConvertReport.
+
+    Raises:
+        UsageError: bad options or output location. SourceError, LayoutError: see ``inspect``.
+        NonFiniteError: a routed-expert row holds NaN/inf (names tensor, expert and row).
+        On any error nothing is left under a final name in ``out``.
+    """
+    t0 = time.perf_counter()
+    if format not in FORMATS:
+        from .errors import UsageError
+        raise UsageError(f"unknown --format {format!r}; supported: {', '.join(FORMATS)}")
+    devices = parse_devices(device)
+    source = resolve_source(src, revision=revision, token=token)
+    try:
+        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+    except ValueError as e:
+        from .errors import UsageError
+        raise UsageError(str(e)) from None
+    outdir = OutputDir(out, overwrite=overwrite, src_root=source.root)
+    if on_plan:
+        on_plan(plan)
+    shards = ShardSet(plan, outdir, fsync=fsync)
+    try:
+        stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress)
+        _write_side_files(plan, source, outdir, stats, allow_nonfinite)
+        outdir.commit()
+    except BaseException:
+        shards.close_all()
+        outdir.abort()
+        raise
+    return ConvertReport(
+        out=str(outdir.out), source=source.id, revision=source.revision, commit=source.commit,
+        architecture=plan.architecture, model_type=plan.model_type, layout=plan.layout.name, format=format,
+        compute_dtype=str(plan.compute_dtype).removeprefix("torch."), layers=plan.num_layers,
+        moe_layers=plan.moe_layers, dense_layers=plan.dense_layers, experts=plan.num_experts,
+        tensors_quantized=sum(1 for j in plan.jobs if j.kind == "quantize"), tensors_copied=len(plan.copied),
+        matrices_quantized=len(plan.matrices), side_files_copied=len(source.side_files),
+        shards=len(plan.shard_names), bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
+        seconds=round(time.perf_counter() - t0, 3), devices=[str(d) for d in devices], zero_rows=stats.zero_rows,
+        underflow_rows=stats.underflow_rows, nonfinite_rows=stats.nonfinite_rows,
+        underflow_examples=[str(n) for n in stats.underflow_examples],
+        nonfinite_examples=[str(n) for n in stats.nonfinite_examples])
+
+
+def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool) -> dict:
+    """``expq.json``: what produced OUT (for ``verify``, ``push`` and the model card). Deterministic: no time, no
+    machine, no absolute paths."""
+    s = plan.summary()
+    return {
+        "expq_version": __version__,
+        "format": "compressed-tensors",
+        "scheme": "experts_int8",
+        "source": {"repo_id": plan.source.repo_id, "revision": plan.source.revision, "commit": plan.source.commit,
+                   "name": plan.source.repo_id or plan.source.root.name},
+        "options": {"dtype": s["compute_dtype"], "max_shard_size": plan.max_shard_size,
+                    "layout": plan.layout.name, "allow_nonfinite": allow_nonfinite},
+        "plan": {k: s[k] for k in ("architecture", "model_type", "layout", "layout_rule", "detected_by",
+                                   "config_keys", "compute_dtype", "compute_dtype_reason", "num_layers",
+                                   "moe_layers", "dense_layers", "extra_expert_layers_copied",
+                                   "routed_experts_per_layer", "top_k", "hidden_size", "moe_intermediate_size",
+                                   "matrices_quantized", "source_tensors_quantized", "source_tensors_copied",
+                                   "bytes_quantized_in", "bytes_copied", "bytes_in", "bytes_out", "output_shards")},
+        "activation": plan.layout.activation,
+        "expert_biases": list(plan.layout.expert_biases),
+        "quantized_modules": len(plan.quantized_modules),
+        "rows": {"zero": stats.zero_rows, "underflow": stats.underflow_rows, "nonfinite": stats.nonfinite_rows,
+                 "underflow_examples": [str(n) for n in stats.underflow_examples],
+                 "nonfinite_examples": [str(n) for n in stats.nonfinite_examples]},
+        "side_files": plan.source.side_files,
+        "skipped_files": plan.source.skipped_files,
+    }
+
+
+def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool) -> None:
+    for rel in source.side_files:
+        if rel == MANIFEST:
+            continue
+        outdir.copy_file(source.root / rel, rel)
+    if len(plan.shard_names) > 1:
+        outdir.write_text("model.safetensors.index.json", index_json(plan))
+    qc = ct.quantization_config(plan.targets, plan.ignore)
+    outdir.write_text(MANIFEST, json.dumps(manifest(plan, stats, allow_nonfinite), indent=2) + "\n")
+    outdir.write_text("config.json", config_json(source.config, qc))

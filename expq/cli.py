@@ -1,0 +1,203 @@
+"""The ``expq`` command line: parse, call the Python API, render with rich. No work happens here that the API does
+not expose.
+
+Exit status: 0 success; 1 a failed check or a conversion error (one line naming file/tensor/expert/row); 2 usage
+errors and unreadable input. Set ``EXPQ_DEBUG=1`` to see tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ExpqError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
+err = Console(stderr=True)
+out = Console()
+
+
+def _fail(e: BaseException) -> None:
+    if os.environ.get("EXPQ_DEBUG"):
+        raise e
+    if isinstance(e, ExpqError):
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(e.exit_code)
+    if isinstance(e, KeyboardInterrupt):
+        err.print("[bold red]interrupted[/]")
+        raise typer.Exit(130)
+    if isinstance(e, MemoryError):
+        err.print("[bold red]error:[/] out of memory")
+        raise typer.Exit(1)
+    msg = str(e).splitlines()[0] if str(e) else ""
+    err.print(f"[bold red]error:[/] {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", highlight=False,
+              soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory (must not exist or be empty).")],
+    format: Annotated[str, typer.Option("--format", help="Output format.")] = "compressed-tensors",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (vLLM's --dtype auto rule), bfloat16, float16, "
+                                            "float32.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or cuda:0,cuda:1,...")] = "auto",
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in OUT.")] = False,
+    layout: Annotated[Optional[Path], typer.Option(help="Layout file for an architecture expq does not know "
+                                                        "(see configs/README.md).")] = None,
+    allow_nonfinite: Annotated[bool, typer.Option("--allow-nonfinite", help="Quantize rows holding NaN/inf as vLLM "
+                                                                            "would, instead of refusing.")] = False,
+    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or your login).",
+                                                 show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
+) -> None:
+    """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    from .api import convert as api_convert
+
+    progress = None
+    state: dict = {}
+
+    def on_plan(plan) -> None:
+        nonlocal progress
+        if as_json:
+            return
+        err.print(f"[bold]{plan.source.id}[/]: {plan.architecture or plan.model_type} ({plan.layout.name} layout), "
+                  f"{len(plan.moe_layers)} MoE layers x {plan.num_experts} experts, compute dtype "
+                  f"{str(plan.compute_dtype).removeprefix('torch.')}", highlight=False)
+        progress = Progress(TextColumn("[bold blue]converting"), BarColumn(), DownloadColumn(),
+                            TextColumn("{task.fields[shards]}"), TransferSpeedColumn(), TimeRemainingColumn(),
+                            console=err, transient=False)
+        progress.start()
+        state["task"] = progress.add_task("convert", total=plan.bytes_in, shards=f"0/{len(plan.shard_names)} shards")
+        state["n"] = len(plan.shard_names)
+
+    def on_progress(nbytes: int, shards_done: int) -> None:
+        if progress is not None:
+            progress.update(state["task"], advance=nbytes, shards=f"{shards_done}/{state['n']} shards")
+
+    try:
+        report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
+                             max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
+                             allow_nonfinite=allow_nonfinite, token=token, on_plan=on_plan, on_progress=on_progress)
+    except BaseException as e:  # noqa: BLE001
+        if progress is not None:
+            progress.stop()
+        _fail(e)
+        return
+    if progress is not None:
+        progress.stop()
+    if as_json:
+        print(json.dumps(report.to_dict()))
+        return
+    t = Table(title=f"expq convert -> {report.out}", show_header=False, title_justify="left")
+    rows = [
+        ("architecture", f"{report.architecture} ({report.layout} layout)"),
+        ("MoE layers / dense", f"{len(report.moe_layers)} / {len(report.dense_layers)} of {report.layers}"),
+        ("routed experts per layer", str(report.experts)),
+        ("matrices quantized", f"{report.matrices_quantized} ({report.tensors_quantized} source tensors)"),
+        ("tensors copied byte for byte", str(report.tensors_copied)),
+        ("compute dtype", report.compute_dtype),
+        ("size", f"{_human(report.bytes_in)} -> {_human(report.bytes_out)} ({report.shards} shards)"),
+        ("time", f"{report.seconds:.1f} s on {', '.join(report.devices)} "
+                 f"({_human(report.bytes_in / max(report.seconds, 1e-9))}/s)"),
+        ("zero rows (scale 0)", str(report.zero_rows)),
+        ("rows with underflowed scale", str(report.underflow_rows)),
+    ]
+    if report.nonfinite_rows:
+        rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    for ex in report.underflow_examples[:5]:
+        err.print(f"  underflow: {ex}", highlight=False)
+
+
+@app.command()
+def inspect(
+    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
+    layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard.")] = "5GB",
+    token: Annotated[Optional[str], typer.Option(help="Hub token.", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor and what happens to it.")] = False,
+) -> None:
+    """Show what convert would do, without writing anything."""
+    from .api import inspect as api_inspect
+
+    try:
+        plan = api_inspect(src, revision=revision, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
+                           token=token)
+    except BaseException as e:  # noqa: BLE001
+        _fail(e)
+        return
+    s = plan.summary()
+    if tensors:
+        s["tensors"] = [{"name": j.source.name, "file": j.source.file, "dtype": j.source.dtype,
+                         "shape": list(j.source.shape), "action": j.kind,
+                         "outputs": [o.name for o in j.outputs]} for j in plan.jobs]
+    if as_json:
+        print(json.dumps(s))
+        return
+    t = Table(title=f"expq inspect {s['source']}", show_header=False, title_justify="left")
+    t.add_row("architecture", f"{s['architecture']} (model_type {s['model_type']})")
+    t.add_row("layout", f"{s['layout']} ({s['layout_rule']}), detected by {s['detected_by']}")
+    t.add_row("config keys", ", ".join(f"{k} <- {v}" for k, v in s["config_keys"].items()))
+    t.add_row("layers", f"{s['num_layers']}: MoE {s['moe_layers']}, dense {s['dense_layers']}")
+    if s["extra_expert_layers_copied"]:
+        t.add_row("expert layers past num_layers (copied)", str(s["extra_expert_layers_copied"]))
+    t.add_row("routed experts per layer", f"{s['routed_experts_per_layer']} (top_k {s['top_k']})")
+    t.add_row("compute dtype", f"{s['compute_dtype']}: {s['compute_dtype_reason']}")
+    t.add_row("to quantize", f"{s['matrices_quantized']} matrices from {s['source_tensors_quantized']} tensors "
+                             f"({_human(s['bytes_quantized_in'])})")
+    t.add_row("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
+                         f"{len(s['side_files'])} side files")
+    t.add_row("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {s['output_shards']} shards")
+    if s["skipped_files"]:
+        t.add_row("not copied (other weight formats)", ", ".join(s["skipped_files"][:6]))
+    out.print(t)
+    if tensors:
+        tt = Table("tensor", "dtype", "shape", "action")
+        for row in s["tensors"]:
+            tt.add_row(row["name"], row["dtype"], str(row["shape"]), row["action"])
+        out.print(tt)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        try:
+            _fail(e)
+        except typer.Exit as ex:
+            sys.exit(ex.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Errors expq raises: one line each, naming the file, tensor, expert and row where they apply."""
+
+from __future__ import annotations
+
+
+class ExpqError(Exception):
+    """A user-facing error. ``str(err)`` is one line that names where the problem is.
+
+    Attributes ``file``, ``tensor``, ``expert`` and ``row`` hold the location (``None`` where it does not apply),
+    so that callers can act on them without parsing the message.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
+                 expert: int | None = None, row: int | None = None, hint: str | None = None):
+        self.message = message
+        self.file = file
+        self.tensor = tensor
+        self.expert = expert
+        self.row = row
+        self.hint = hint
+        super().__init__(self._line())
+
+    def _line(self) -> str:
+        where = []
+        if self.file is not None:
+            where.append(f"file {self.file}")
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor}")
+        if self.expert is not None:
+            where.append(f"expert {self.expert}")
+        if self.row is not None:
+            where.append(f"row {self.row}")
+        line = f"{', '.join(where)}: {self.message}" if where else self.message
+        if self.hint:
+            line += f" ({self.hint})"
+        return line.replace("\n", " ")
+
+
+class UsageError(ExpqError):
+    """Bad arguments or an output location that cannot be used (exit status 2)."""
+
+    exit_code = 2
+
+
+class SourceError(ExpqError):
+    """The source checkpoint is missing, unreadable, truncated or inconsistent."""
+
+
+class LayoutError(ExpqError):
+    """The architecture is unknown, or its tensors do not match what its layout says."""
+
+
+class NonFiniteError(ExpqError):
+    """A routed-expert row holds NaN or infinity (refused unless ``allow_nonfinite``)."""

@@ -1,0 +1,116 @@
+"""The compressed-tensors ``pack-quantized`` W8A16 channel format, as stock vLLM and transformers load it.
+
+Per routed-expert projection module ``M`` (e.g. ``model.layers.3.mlp.experts.7.gate_proj``):
+
+* ``M.weight_packed`` int32 ``[out, ceil(in/4)]``: the int8 codes packed by compressed-tensors' own
+  ``pack_to_int32(codes, 8)`` (each code stored as ``code + 128``, four per word, lowest column in the lowest byte);
+* ``M.weight_scale`` ``[out, 1]`` in the compute dtype (2-D: vLLM copies it into ``w13_weight_scale`` as such). The
+  experts_int8 scales are values of the compute dtype, so this is lossless;
+* ``M.weight_shape`` int64 ``[2]``: ``(out, in)``, as compressed-tensors writes it.
+
+The ``quantization_config`` is built with compressed-tensors' config classes and serialised by its
+``ModelCompressor`` (the library's own writer), never re-quantized through its quantizer (its scheme differs:
+absmax/127.5, range [-128, 127]). Its weights are ``{num_bits: 8, type: int, symmetric: true, strategy: channel,
+group_size: -1, dynamic: false}``: vLLM 0.24-0.28 assert ``group_size == -1`` for 8-bit channel-wise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+NAME = "compressed-tensors"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+def tensor_specs(module: str, rows: int, cols: int, compute_dtype: torch.dtype) -> list[tuple[str, torch.dtype,
+                                                                                               tuple[int, ...]]]:
+    """Names, dtypes and shapes of the tensors one quantized projection becomes (in write order)."""
+    return [
+        (f"{module}.weight_packed", torch.int32, (rows, math.ceil(cols / 4))),
+        (f"{module}.weight_scale", compute_dtype, (rows, 1)),
+        (f"{module}.weight_shape", torch.int64, (2,)),
+    ]
+
+
+def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
+    """Turn int8 codes [rows, in] and scales [rows] (compute dtype) into the format's tensors, in
+    ``tensor_specs`` order, for a batch of matrices stacked by rows (packing is per row, so a batch packs as one).
+
+    Returns:
+        [weight_packed int32 [rows, ceil(in/4)], weight_scale [rows, 1], weight_shape int64 [2]] (on codes' device;
+        ``weight_shape`` is (rows, in) of the whole batch: callers slice per matrix and rebuild it).
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    packed = pack_to_int32(codes, 8)
+    return [packed, scales.unsqueeze(1), torch.tensor(list(codes.shape), dtype=torch.int64)]
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``encode`` for one module: (codes int8 [out, in], scales [out] in the stored dtype).
+
+    Raises:
+        ValueError: the tensors do not fit together (shape, dtype).
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
+    if shape.numel() != 2:
+        raise ValueError(f"weight_shape must hold 2 values, got {shape.tolist()}")
+    out, cols = (int(x) for x in shape.tolist())
+    if packed.shape[0] != out or packed.shape[1] != math.ceil(cols / 4):
+        raise ValueError(f"weight_packed {list(packed.shape)} does not fit weight_shape {[out, cols]}")
+    if scale.shape not in ((out, 1), (out,)):
+        raise ValueError(f"weight_scale {list(scale.shape)} does not fit {out} rows")
+    codes = unpack_from_int32(packed, 8, torch.Size([out, cols]))
+    return codes, scale.reshape(out)
+
+
+def targets_regex(names: list[str], container: str = "experts") -> str:
+    """The ``targets`` entry matching routed-expert projection modules: ``re:.*experts\\.\\d+\\.(names)$``.
+
+    vLLM 0.24 asks for ``<moe layer>.0.gate_proj`` / ``.up_proj`` / ``.down_proj`` whatever the model calls its
+    experts (and its layer name ends in ``experts.routed_experts``), newer vLLM and transformers use the model's
+    own names: the pattern carries both. Shared experts (``shared_expert(s).gate_proj``: no index) never match.
+    ``container`` is the module path right before the expert index (a layout's ``output.targets_container``).
+    """
+    alts = sorted(set(names) | {"gate_proj", "up_proj", "down_proj"})
+    return "re:.*" + re.escape(container) + r"\.\d+\.(" + "|".join(re.escape(a) for a in alts) + r")$"
+
+
+def quantization_config(targets: list[str], ignore: list[str]) -> dict:
+    """The ``quantization_config`` dict for config.json, built with compressed-tensors' classes and serialised
+    by its ``ModelCompressor.update_config`` (so the fields are exactly those the installed library writes)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=-1,
+                               dynamic=False)
+    scheme = QuantizationScheme(targets=targets, weights=weights, format="pack-quantized")
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                            quantization_status="compressed", ignore=ignore)
+    with tempfile.TemporaryDirectory() as d:
+        ModelCompressor(quantization_config=qc).update_config(d)
+        return json.loads((Path(d) / "config.json").read_text())["quantization_config"]
+
+
+def module_matches(name: str, targets: list[str], ignore: list[str]) -> bool:
+    """Whether a module name is quantized by this config: matches a ``re:`` target and is not ignored
+    (by name or ``re:`` pattern). Used by ``verify`` to check that the targets cover exactly the quantized modules."""
+    def hit(pats: list[str]) -> bool:
+        for p in pats:
+            if p.startswith("re:"):
+                if re.match(p[3:], name):
+                    return True
+            elif p == name:
+                return True
+        return False
+
+    return hit(targets) and not hit(ignore)

@@ -1,0 +1,174 @@
+"""The experts_int8 scheme: vLLM's per-output-row int8 quantization of routed-expert weights, bit for bit.
+
+Source of the formula: vLLM ``model_executor/layers/quantization/experts_int8.py``,
+``quantize_in_place_and_get_scales`` (vLLM <= 0.19; the online ``Int8OnlineMoEMethod`` of vLLM >= 0.20 runs the same
+arithmetic in the parameter dtype). For a matrix ``w`` [out, in] held in the compute dtype ``d``:
+
+    scale = amax(|w|, dim=1) / 127          (in d)
+    q     = clamp(round(w / scale), -127, 127)   (w / scale rounded to d first, then half-to-even to an integer)
+    codes = int8(q), one scale per output row
+
+Two points decide bit-exactness (see ``docs/scheme.md``):
+
+* On CUDA, ``tensor / python_scalar`` is computed as a multiplication by the fp32 reciprocal (``opmath``):
+  ``d(float(amax) * fp32(1/127))``. The CPU divides instead, which differs for fp32 inputs. We follow CUDA, on every
+  device, so a CPU conversion equals vLLM on the GPU.
+* ``w / scale`` (tensor by tensor) is a true division in fp32, rounded to ``d`` before ``round()``: a double rounding
+  that must be kept (doing it all in fp32 changes about 6% of the codes).
+
+All-zero rows: amax 0 gives scale 0 and 0/0 = NaN, which vLLM's cast to int8 turns into 0; we store code 0 and scale
+0.0 (vLLM's own value: finite, and 0 x 0 dequantizes to exactly 0). Rows whose scale underflows (fp16 rows with
+0 < amax < ~7.6e-6) are reproduced bit for bit and reported. Rows holding NaN or infinity poison the whole row in vLLM;
+they are refused unless explicitly allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+INT8_MAX = 127
+"""Largest code magnitude: vLLM clamps to [-127, 127] (symmetric; -128 is never produced)."""
+
+ZERO_ROW_SCALE = 0.0
+"""The scale an all-zero row gets (vLLM's value): codes are 0 and the row dequantizes to exactly 0."""
+
+# fp32(1/127), computed as CUDA computes the reciprocal of a scalar divisor: in fp32.
+_RECIP_INT8_MAX = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(INT8_MAX), dtype=torch.float32)
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def resolve_compute_dtype(config_dtype: str | None, requested: str = "auto") -> tuple[torch.dtype, str]:
+    """The dtype vLLM would hold the expert weights in, and a sentence saying why.
+
+    Args:
+        config_dtype: the checkpoint config's ``torch_dtype`` / ``dtype`` string (e.g. ``"bfloat16"``), or None.
+        requested: ``"auto"`` or an explicit ``"bfloat16" | "float16" | "float32"`` (``--dtype``), which wins.
+
+    Returns:
+        (dtype, reason).
+
+    ``auto`` follows vLLM's ``--dtype auto`` (``vllm/config/model.py``, ``_resolve_auto_dtype``): the config's dtype,
+    except that float32 checkpoints (and configs without a dtype, which transformers reads as float32) are served in
+    the platform's preferred half type, bfloat16 on every GPU experts_int8 supports (compute capability >= 8.0).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    req = _DTYPE_ALIASES.get(requested, requested)
+    if req != "auto":
+        if req not in COMPUTE_DTYPES:
+            raise ValueError(f"unknown --dtype {requested!r}; use auto, bfloat16, float16 or float32")
+        return COMPUTE_DTYPES[req], f"--dtype {req}"
+    cfg = _DTYPE_ALIASES.get(config_dtype or "", config_dtype)
+    if cfg in ("bfloat16", "float16"):
+        return COMPUTE_DTYPES[cfg], f"config dtype {cfg} (vLLM --dtype auto keeps it)"
+    if cfg in (None, "float32"):
+        what = "config dtype float32" if cfg else "no dtype in config (float32)"
+        return torch.bfloat16, f"{what} -> bfloat16 (vLLM --dtype auto serves float32 checkpoints in bfloat16)"
+    raise ValueError(f"config dtype {config_dtype!r} is not a float type vLLM serves; pass --dtype explicitly")
+
+
+def row_absmax(w: torch.Tensor) -> torch.Tensor:
+    """``amax(|w|, dim=1)`` [rows] in ``w.dtype`` (exact in any dtype; NaN or inf in a row propagates to its amax)."""
+    return w.abs().amax(dim=1)
+
+
+def scales_from_absmax(amax: torch.Tensor) -> torch.Tensor:
+    """Per-row scales ``amax / 127`` exactly as vLLM computes them on CUDA.
+
+    Args:
+        amax: [rows] row absmax in the compute dtype.
+
+    Returns:
+        [rows] in ``amax.dtype``: ``dtype(float32(amax) * fp32(1/127))`` (CUDA's rule for division by a scalar).
+    """
+    return (amax.to(torch.float32) * _RECIP_INT8_MAX.to(amax.device)).to(amax.dtype)
+
+
+def row_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per-row scales of ``w`` [rows, in] (compute dtype): ``scales_from_absmax(row_absmax(w))``, [rows]."""
+    return scales_from_absmax(row_absmax(w))
+
+
+def quantize_rows(w: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize every row of ``w`` to int8 codes with the experts_int8 arithmetic.
+
+    Args:
+        w: [rows, in] float tensor already in the compute dtype (bfloat16, float16 or float32), on any device.
+        scales: optional precomputed ``row_scales(w)``.
+
+    Returns:
+        (codes, scales): codes int8 [rows, in] in [-127, 127]; scales [rows] in ``w.dtype`` (the exact values vLLM
+        stores, as fp32, in ``w13_scale`` / ``w2_scale``).
+
+    Rows whose quotient is NaN (all-zero rows: 0/0; non-finite rows) get code 0, as vLLM's float-to-int8 cast gives
+    on CUDA and CPU; this is made explicit here rather than left to the cast.
+
+    Raises:
+        ValueError: ``w`` is not 2-D or not a float tensor.
+    """
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_rows expects a 2-D float tensor, got {tuple(w.shape)} {w.dtype}")
+    if scales is None:
+        scales = row_scales(w)
+    q = w / scales.unsqueeze(1)  # true division, rounded to w.dtype (first rounding)
+    q.round_()  # half to even (second rounding)
+    q.clamp_(-INT8_MAX, INT8_MAX)
+    q.nan_to_num_(nan=0.0)
+    return q.to(torch.int8), scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scales`` per row, computed in fp32 and returned in ``dtype``.
+
+    Args:
+        codes: int8 [..., rows, in]; scales: [..., rows] (any float dtype).
+    """
+    return (codes.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+@dataclass
+class RowReport:
+    """What a quantization found in one matrix (row indices): zero rows, underflowed scales, non-finite rows."""
+
+    zero_rows: list[int] = field(default_factory=list)
+    underflow_rows: list[int] = field(default_factory=list)
+    nonfinite_rows: list[int] = field(default_factory=list)
+
+
+def inspect_rows(amax: torch.Tensor, scales: torch.Tensor) -> RowReport:
+    """Classify rows from their absmax [rows] and scales [rows] (compute dtype).
+
+    * zero row: every element is 0 (scale 0, codes 0);
+    * underflow row: a finite row with amax > 0 whose scale is 0 or subnormal in the compute dtype (its codes saturate
+      or lose precision; reproduced bit for bit, and reported);
+    * non-finite row: holds NaN or +-inf (its amax is then NaN or inf).
+    """
+    finite = torch.isfinite(amax)
+    tiny = torch.finfo(amax.dtype).tiny
+    zero = amax == 0
+    underflow = finite & (amax > 0) & (scales < tiny)
+
+    def idx(m: torch.Tensor) -> list[int]:
+        return torch.nonzero(m).flatten().tolist() if bool(m.any()) else []
+
+    return RowReport(zero_rows=idx(zero), underflow_rows=idx(underflow), nonfinite_rows=idx(~finite))
+
+
+def quantize_matrix(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
+    """``quantize_rows`` plus the row report, computing the absmax once.
+
+    Args:
+        w: [rows, in] in the compute dtype.
+
+    Returns:
+        (codes int8 [rows, in], scales [rows] in w.dtype, RowReport).
+    """
+    amax = row_absmax(w)
+    scales = scales_from_absmax(amax)
+    codes, _ = quantize_rows(w, scales)
+    return codes, scales, inspect_rows(amax, scales)

@@ -1,0 +1,316 @@
+"""The source checkpoint: resolving a directory or Hub repo id, reading the index and shard headers, validating the
+files, and lazy, bounded reads of one tensor at a time.
+
+A safetensors file is ``u64 little-endian header length | JSON header | data``; each header entry gives ``dtype``,
+``shape`` and ``data_offsets`` relative to the data start (https://github.com/huggingface/safetensors). We read the
+header ourselves because passthrough tensors are copied as raw bytes (byte-identical by construction, any dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import SourceError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER = 100 * 1024 * 1024
+
+# Bits per element of every safetensors dtype.
+DTYPE_BITS = {
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32,
+    "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
+    "C64": 64,
+}
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+# Files that hold weights in other formats (or weights the index does not reference): never copied to OUT.
+WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx|tflite|ot|npz)$|(^|/)original/")
+DOWNLOAD_IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.onnx", "*.tflite", "*.ot",
+                   "original/*", "consolidated*", "*.npz"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a shard: its name, safetensors dtype string, shape and absolute byte range in the file."""
+
+    name: str
+    file: str  # path relative to the checkpoint directory
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Shard:
+    """One safetensors file: its tensors in file order and its ``__metadata__``."""
+
+    file: str
+    path: Path
+    size: int
+    tensors: list[TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Source:
+    """A resolved, validated source checkpoint.
+
+    Attributes:
+        root: the local directory (a Hub snapshot for a repo id).
+        repo_id, revision, commit: where it came from when resolved from the Hub (else None).
+        config: ``config.json`` as a dict.
+        shards: safetensors files in name order; ``tensors``: name -> TensorInfo over all shards.
+        side_files: every other file to copy (relative paths), sorted; ``skipped_files``: weight files not copied.
+    """
+
+    root: Path
+    config: dict
+    shards: list[Shard]
+    tensors: dict[str, TensorInfo]
+    side_files: list[str]
+    skipped_files: list[str]
+    index_metadata: dict
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def id(self) -> str:
+        return self.repo_id or str(self.root)
+
+
+def read_header(path: Path, rel: str) -> Shard:
+    """Parse and validate one safetensors file's header.
+
+    Raises:
+        SourceError: unreadable file, bad header, unknown dtype, offsets that overlap, leave gaps, disagree with the
+            shape, or run past the end of the file (a truncated download).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=rel)
+            n = int.from_bytes(raw, "little")
+            if n <= 0 or n > MAX_HEADER or 8 + n > size:
+                raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=rel)
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise SourceError(f"cannot read: {e.strerror or e}", file=rel) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SourceError("not a safetensors file (header is not JSON)", file=rel) from None
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    tensors = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (s, t) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SourceError("malformed header entry", file=rel, tensor=name) from None
+        if dtype not in DTYPE_BITS:
+            raise SourceError(f"unknown dtype {dtype}", file=rel, tensor=name)
+        expect = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
+        if t - s != expect:
+            raise SourceError(f"byte range {t - s} does not match {dtype}{list(shape)} ({expect} bytes)",
+                              file=rel, tensor=name)
+        tensors.append(TensorInfo(name, rel, dtype, shape, base + s, base + t))
+    tensors.sort(key=lambda x: x.start)
+    pos = base
+    for ti in tensors:
+        if ti.start != pos:
+            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=rel, tensor=ti.name)
+        pos = ti.end
+    if pos > size:
+        last = tensors[-1].name if tensors else None
+        raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
+                          file=rel, tensor=last)
+    return Shard(rel, path, size, tensors, meta)
+
+
+def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
+                commit: str | None = None) -> Source:
+    """Read and validate a local checkpoint directory (config, index, shard headers, side files).
+
+    Raises:
+        SourceError: missing config.json or weights, an index that names missing files or tensors, a tensor stored
+            twice, or any shard error from ``read_header``.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError("not a directory", file=str(root))
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError("no config.json: not a Hugging Face checkpoint directory", file=str(root))
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"not valid JSON: {e}", file="config.json") from None
+
+    index_path = root / INDEX_NAME
+    weight_map: dict[str, str] | None = None
+    index_meta: dict = {}
+    if index_path.is_file():
+        try:
+            idx = json.loads(index_path.read_text())
+            weight_map = idx["weight_map"]
+            index_meta = idx.get("metadata") or {}
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            raise SourceError("not a valid safetensors index (needs a weight_map)", file=INDEX_NAME) from None
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        found = sorted(p.name for p in root.glob("*.safetensors"))
+        if len(found) == 1:
+            files = found
+        elif found:
+            raise SourceError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the "
+                              "model's weights", file=str(root))
+        else:
+            others = sorted(p.name for p in root.iterdir() if WEIGHT_FILE.search(p.name))
+            extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
+            raise SourceError(f"no safetensors weights{extra}", file=str(root))
+
+    shards = []
+    tensors: dict[str, TensorInfo] = {}
+    for rel in files:
+        p = root / rel
+        if not p.is_file():
+            raise SourceError(f"listed in {INDEX_NAME} but missing", file=rel)
+        sh = read_header(p, rel)
+        shards.append(sh)
+        for ti in sh.tensors:
+            if ti.name in tensors:
+                raise SourceError(f"tensor stored twice (also in {tensors[ti.name].file})", file=rel, tensor=ti.name)
+            tensors[ti.name] = ti
+    if weight_map is not None:
+        for name, rel in weight_map.items():
+            got = tensors.get(name)
+            if got is None:
+                raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=rel, tensor=name)
+            if got.file != rel:
+                raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=rel, tensor=name)
+        extra = sorted(set(tensors) - set(weight_map))
+        if extra:
+            raise SourceError(f"tensor not listed in {INDEX_NAME}", file=tensors[extra[0]].file, tensor=extra[0])
+
+    side, skipped = [], []
+    weight_files = set(files)
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_dir() or rel.startswith(".") or "/." in rel:
+            continue
+        if rel in weight_files or rel in (INDEX_NAME, "config.json"):
+            continue
+        if WEIGHT_FILE.search(rel):
+            skipped.append(rel)
+        else:
+            side.append(rel)
+    return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
+                  index_metadata=index_meta, repo_id=repo_id, revision=revision, commit=commit)
+
+
+def resolve_source(src: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Source:
+    """Open ``src``: an existing local directory, else a Hub repo id fetched with ``huggingface_hub``.
+
+    The Hub download uses ``snapshot_download`` (the user's cache and token, ``HF_ENDPOINT``, ``HF_HUB_OFFLINE``
+    honoured) and skips weight files in other formats (``.bin``, ``.pt``, ``original/``, ``consolidated*``).
+
+    Raises:
+        SourceError: the directory is not a checkpoint, or the repo/revision cannot be found, is gated or
+            unreachable (offline with nothing cached).
+    """
+    p = Path(src).expanduser()
+    if p.exists():
+        if revision is not None:
+            raise SourceError("--revision applies to Hub repo ids, not to a local directory", file=str(p))
+        return open_source(p)
+    s = str(src)
+    if not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s) or s.startswith((".", "/")):
+        raise SourceError("no such directory, and not a Hub repo id", file=s)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    try:
+        local = snapshot_download(repo_id=s, revision=revision, token=token, ignore_patterns=DOWNLOAD_IGNORE)
+    except GatedRepoError:
+        raise SourceError("gated repo: accept its terms on the Hub and log in (hf auth login) or pass a token",
+                          file=s) from None
+    except RevisionNotFoundError:
+        raise SourceError(f"revision {revision!r} not found", file=s) from None
+    except RepositoryNotFoundError:
+        raise SourceError("repo not found on the Hub (or private: log in or pass a token)", file=s) from None
+    except LocalEntryNotFoundError:
+        raise SourceError("not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE set, or no network)",
+                          file=s) from None
+    except OSError as e:
+        raise SourceError(f"download failed: {e}", file=s) from None
+    commit = Path(local).name if re.fullmatch(r"[0-9a-f]{40}", Path(local).name) else None
+    return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
+
+
+def read_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
+    """Read one tensor from its file (one ``pread``; nothing else of the shard is loaded).
+
+    Returns:
+        a CPU tensor of ``info.shape`` in the matching torch dtype.
+
+    Raises:
+        SourceError: the dtype has no torch equivalent here, or the read came back short.
+    """
+    dt = TORCH_DTYPES.get(info.dtype)
+    if dt is None:
+        raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=info.file, tensor=info.name)
+    buf = bytearray(info.nbytes)
+    with open(src_root / info.file, "rb", buffering=0) as f:
+        got = f.readinto(memoryview(buf)) if f.seek(info.start) == info.start else 0
+    if got != info.nbytes:
+        raise SourceError(f"short read ({got} of {info.nbytes} bytes): file changed or truncated",
+                          file=info.file, tensor=info.name)
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dt)
+    return torch.frombuffer(buf, dtype=dt).view(info.shape)
+
+
+def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:
+    """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory).
+
+    Raises:
+        SourceError: the source came back short.
+    """
+    with open(src_root / info.file, "rb", buffering=0) as f:
+        pos, left = info.start, info.nbytes
+        while left:
+            data = os.pread(f.fileno(), min(chunk, left), pos)
+            if not data:
+                raise SourceError("short read: file changed or truncated", file=info.file, tensor=info.name)
+            os.pwrite(dst_fd, data, dst_offset + (pos - info.start))
+            pos += len(data)
+            left -= len(data)

@@ -1,0 +1,188 @@
+"""Laying down the output: shards written in place from the plan's offsets, the index, config and side files, all
+under temporary names in ``OUT/.expq-partial/`` and renamed into ``OUT`` only when everything is complete.
+
+A crash leaves at most the hidden staging folder, never a final-named partial file; an error removes it. Shards are
+written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive in any
+order from any device and no output shard is ever held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from .errors import UsageError
+from .plan import OutTensor, Plan
+from .source import INDEX_NAME
+
+STAGING = ".expq-partial"
+MANIFEST = "expq.json"
+
+
+def safetensors_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The header of a safetensors file holding ``tensors`` at their planned offsets: 8-byte little-endian length,
+    then JSON padded with spaces to a multiple of 8 bytes (so the data area starts aligned)."""
+    entries: dict = {"__metadata__": metadata or {"format": "pt"}}
+    for o in sorted(tensors, key=lambda o: o.offset):
+        entries[o.name] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": [o.offset, o.offset + o.nbytes]}
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class OutputDir:
+    """The output directory and its staging area.
+
+    Args:
+        out: the final directory. Must not exist, or be empty, unless ``overwrite``; with ``overwrite`` an existing
+            checkpoint there is replaced only at ``commit`` (it stays intact if the conversion fails).
+        src_root: the source directory, which OUT may not be, contain, or sit inside.
+
+    Raises:
+        UsageError: OUT is a file, not empty without ``overwrite``, not a checkpoint with ``overwrite``, or overlaps
+            the source.
+    """
+
+    def __init__(self, out: str | Path, *, overwrite: bool = False, src_root: Path | None = None):
+        self.out = Path(out).expanduser().absolute()
+        if src_root is not None:
+            s = src_root.resolve()
+            o = self.out.resolve()
+            if o == s or s in o.parents or o in s.parents:
+                raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(out))
+        if self.out.exists() and not self.out.is_dir():
+            raise UsageError("OUT exists and is not a directory", file=str(out))
+        existing = [p.name for p in self.out.iterdir() if p.name != STAGING] if self.out.is_dir() else []
+        if existing and not overwrite:
+            raise UsageError(f"OUT is not empty ({len(existing)} entries); pass --overwrite to replace it",
+                             file=str(out))
+        if existing and not ({"config.json", MANIFEST} & set(existing)):
+            raise UsageError("OUT is not empty and does not hold a checkpoint; refusing to delete its contents",
+                             file=str(out))
+        self._replace = existing
+        self._created = not self.out.exists()
+        self.staging = self.out / STAGING
+        if self.staging.exists():
+            shutil.rmtree(self.staging)  # left by a crashed run
+        self.staging.mkdir(parents=True)
+
+    def path(self, name: str) -> Path:
+        """The staging path of an output file (its final name, relative to OUT)."""
+        p = self.staging / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def write_text(self, name: str, text: str) -> None:
+        self.path(name).write_text(text)
+
+    def copy_file(self, src: Path, name: str) -> None:
+        shutil.copyfile(src, self.path(name))
+
+    def commit(self) -> None:
+        """Move every staged file to its final name: shards and side files first, then the index, then config.json
+        (a loader finds nothing usable until the last rename), and remove what an overwritten checkpoint had."""
+        staged = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
+        staged_top = {n.split("/")[0] for n in staged}
+        for old in self._replace:  # stale files and whole old folders of an overwritten checkpoint
+            target = self.out / old
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif old not in staged_top:
+                target.unlink()
+        last = [n for n in (INDEX_NAME, "config.json") if n in staged]
+        for name in [n for n in staged if n not in last] + last:
+            dst = self.out / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.staging / name, dst)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Remove the staging area (and OUT itself if this run created it and it is empty)."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+        if self._created:
+            try:
+                self.out.rmdir()
+            except OSError:
+                pass
+
+
+class ShardSet:
+    """The output shards of a plan, opened on first write and closed (fsync'd) once all their tensors are written.
+
+    ``write`` is thread-safe: workers on several devices write their tensors at their planned offsets.
+    """
+
+    def __init__(self, plan: Plan, outdir: OutputDir, fsync: bool = True):
+        self.plan = plan
+        self.outdir = outdir
+        self.fsync = fsync
+        self._members: list[list[OutTensor]] = [[] for _ in plan.shard_names]
+        for o in plan.outputs:
+            self._members[o.shard].append(o)
+        self._fds: dict[int, tuple[int, int]] = {}  # shard -> (fd, data start)
+        self._left = [len(m) for m in self._members]
+        self._lock = threading.Lock()
+        self.closed: list[int] = []
+
+    def _open(self, k: int) -> tuple[int, int]:
+        header = safetensors_header(self._members[k])
+        fd = os.open(self.outdir.path(self.plan.shard_names[k]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, header, 0)
+        os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
+        return fd, len(header)
+
+    def target(self, out: OutTensor) -> tuple[int, int]:
+        """(fd, absolute offset) where ``out``'s bytes go; opens the shard if needed."""
+        with self._lock:
+            if out.shard not in self._fds:
+                self._fds[out.shard] = self._open(out.shard)
+            fd, base = self._fds[out.shard]
+        return fd, base + out.offset
+
+    def write(self, out: OutTensor, data) -> None:
+        """Write ``data`` (a bytes-like object of exactly ``out.nbytes``) at ``out``'s place."""
+        mv = memoryview(data).cast("B")
+        if mv.nbytes != out.nbytes:
+            raise RuntimeError(f"internal: {out.name} has {mv.nbytes} bytes, planned {out.nbytes}")
+        fd, pos = self.target(out)
+        while mv.nbytes:
+            n = os.pwrite(fd, mv, pos)
+            mv, pos = mv[n:], pos + n
+        self.done(out)
+
+    def done(self, out: OutTensor) -> None:
+        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly)."""
+        with self._lock:
+            self._left[out.shard] -= 1
+            if self._left[out.shard] == 0:
+                fd, _ = self._fds.pop(out.shard)
+                if self.fsync:
+                    os.fsync(fd)
+                os.close(fd)
+                self.closed.append(out.shard)
+
+    def close_all(self) -> None:
+        """Close every open shard (after an error); raises if a shard is incomplete after a successful run."""
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def complete(self) -> bool:
+        return all(n == 0 for n in self._left)
+
+
+def index_json(plan: Plan) -> str:
+    """``model.safetensors.index.json``: ``total_size`` (bytes of tensor data) and the sorted weight map."""
+    weight_map = {o.name: plan.shard_names[o.shard] for o in sorted(plan.outputs, key=lambda o: o.name)}
+    return json.dumps({"metadata": {"total_size": sum(plan.shard_sizes)}, "weight_map": weight_map}, indent=2) + "\n"
+
+
+def config_json(config: dict, quantization_config: dict) -> str:
+    """config.json: the source's, key order kept, with ``quantization_config`` set (a stale one is replaced)."""
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    cfg["quantization_config"] = quantization_config
+    return json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
