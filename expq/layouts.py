@@ -69,6 +69,7 @@ class Layout:
     activation: str  # kernel activation: "silu", "gelu", "gelu_tanh", "swigluoai"
     expert_biases: tuple[str, ...]  # expert bias tensors (copied as they are; the runtime uses them)
     targets_container: str = "experts"  # module path right before the expert index, for quantization targets
+    router_weight_on_input: bool = False  # Llama-4: the router weight scales the expert input, not its output
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expert_regex(self) -> re.Pattern[str]:
@@ -170,6 +171,7 @@ def load_layout(path: str | Path) -> Layout:
         activation=cfg.get("activation", "silu"),
         expert_biases=_tuple(ex.get("biases")),
         targets_container=out.get("targets_container", "experts"),
+        router_weight_on_input=bool(cfg.get("router_weight_on_input", False)),
         extra={k: v for k, v in data.items() if k not in ("name", "model_types", "architectures", "experts",
                                                           "config", "output")},
     )

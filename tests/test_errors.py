@@ -1,0 +1,286 @@
+"""Bad input gets one clear line naming file / tensor / expert / row, and OUT never holds a final-named partial file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import example, tree_digest
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import expq
+from expq import pipeline
+from expq.cli import app
+from expq.errors import ExpqError, LayoutError, NonFiniteError, SourceError, UsageError
+
+
+def copy_src(tmp_path, tmp_path_factory, family="mixtral", **kw) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(example(tmp_path_factory, family, **kw), src)
+    return src
+
+
+def find(src: Path, name: str) -> Path:
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    return src / idx[name]
+
+
+def edit_tensor(src: Path, name: str, fn) -> None:
+    f = find(src, name)
+    t = load_file(f)
+    t[name] = fn(t[name].clone())
+    save_file(t, f, metadata={"format": "pt"})
+
+
+def edit_config(src: Path, **kv) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(kv)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def assert_no_output(out: Path) -> None:
+    """No final-named file in OUT (it may not exist at all), and no staging folder left behind."""
+    if out.exists():
+        assert [p.name for p in out.iterdir()] == [], list(out.iterdir())
+
+
+def run_cli(*args):
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+def test_nonfinite_row_names_tensor_expert_row(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+
+    def poison(w):
+        w[5, 7] = float("nan")
+        return w
+
+    edit_tensor(src, name, poison)
+    out = tmp_path / "out"
+    with pytest.raises(NonFiniteError) as ei:
+        expq.convert(src, out, device="cpu", max_shard_size="40KB")
+    e = ei.value
+    assert (e.tensor, e.expert, e.row) == (name, 2, 5)
+    assert "NaN or infinity" in str(e) and name in str(e) and "expert 2" in str(e) and "row 5" in str(e)
+    assert_no_output(out)
+    code, text = run_cli("convert", src, out, "--device", "cpu")
+    assert code == 1 and "row 5" in text and "Traceback" not in text
+    assert_no_output(out)
+    # allowed on request: reproduces vLLM and reports the row
+    r = expq.convert(src, out, device="cpu", allow_nonfinite=True)
+    assert r.nonfinite_rows == 1 and "expert 2 up row 5" in r.nonfinite_examples[0]
+
+
+def test_nonfinite_stacked_row_located(tmp_path, tmp_path_factory):
+    """In an interleaved stacked tensor (GPT-OSS), the poisoned column maps back to expert, projection and row."""
+    src = copy_src(tmp_path, tmp_path_factory, "gpt_oss")
+    name = "model.layers.0.mlp.experts.gate_up_proj"  # [E, H, 2I], column 2*r+1 is up row r
+
+    def poison(w):
+        w[3, 10, 2 * 6 + 1] = float("inf")
+        return w
+
+    edit_tensor(src, name, poison)
+    with pytest.raises(NonFiniteError) as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert (ei.value.tensor, ei.value.expert, ei.value.row) == (name, 3, 6) and "up" in str(ei.value)
+    assert_no_output(tmp_path / "out")
+
+
+def test_expert_count_mismatch(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory, "qwen3_moe")
+    edit_config(src, num_local_experts=8)
+    with pytest.raises(LayoutError, match=r"experts \[4, 5, 6, 7\] missing \(config num_experts = 8\)"):
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert_no_output(tmp_path / "out")
+
+
+def test_stacked_expert_count_mismatch(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory, "granitemoe")
+    edit_config(src, num_local_experts=6)
+    with pytest.raises(LayoutError, match=r"expected \[6, rows, cols\].*got \[4, 96, 64\]") as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert ei.value.tensor.endswith("block_sparse_moe.input_linear.weight")
+
+
+def test_unknown_model_type(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    edit_config(src, model_type="frobnicate_moe", architectures=["FrobForCausalLM"])
+    with pytest.raises(LayoutError) as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    msg = str(ei.value)
+    assert "model_type='frobnicate_moe'" in msg and "architectures='FrobForCausalLM'" in msg and "mixtral" in msg
+    assert "--layout" in msg
+    assert_no_output(tmp_path / "out")
+    # a user's own layout file makes it work
+    code, text = run_cli("convert", src, tmp_path / "out", "--layout", "configs/mixtral.toml", "--json",
+                         "--device", "cpu")
+    assert code == 0, text
+
+
+def test_square_orientation_not_decidable(tmp_path, tmp_path_factory):
+    """H == 2I makes the fused block square: a layout that admits both orientations cannot decide, and says so."""
+    src = copy_src(tmp_path, tmp_path_factory, "granitemoe", intermediate_size=32)  # 2I = 64 = H
+    layout = tmp_path / "both.toml"
+    text = Path("configs/granitemoe.toml").read_text().replace('orientation = "out_in", order', 'orientation = '
+                                                                '["out_in", "in_out"], order')
+    layout.write_text(text)
+    with pytest.raises(LayoutError, match="fits both orientations") as ei:
+        expq.convert(src, tmp_path / "out", layout=layout, device="cpu")
+    assert ei.value.tensor.endswith("input_linear.weight")
+    # the shipped layout fixes the orientation, so the same checkpoint converts
+    expq.convert(src, tmp_path / "out", device="cpu")
+
+
+def test_moe_layers_disagree_with_config(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory, "deepseek_v3")
+    edit_config(src, first_k_dense_replace=2)
+    with pytest.raises(LayoutError, match=r"layers \[1\] have routed experts but the config"):
+        expq.convert(src, tmp_path / "out", device="cpu")
+
+
+def test_missing_projection(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory, "olmoe")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    f = find(src, name)
+    t = load_file(f)
+    del t[name]
+    save_file(t, f, metadata={"format": "pt"})
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    del idx["weight_map"][name]
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(LayoutError, match="down_proj missing") as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert ei.value.expert == 3 and ei.value.tensor == name
+
+
+def test_truncated_shard(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    f = sorted(src.glob("model-*.safetensors"))[1]
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])
+    with pytest.raises(SourceError, match="truncated") as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert ei.value.file == f.name and ei.value.tensor
+    code, text = run_cli("convert", src, tmp_path / "out")
+    assert code == 1 and f.name in text and "truncated" in text
+    assert_no_output(tmp_path / "out")
+
+
+def test_index_names_missing_file(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    f = sorted(src.glob("model-*.safetensors"))[0]
+    f.unlink()
+    with pytest.raises(SourceError, match="listed in model.safetensors.index.json but missing") as ei:
+        expq.inspect(src)
+    assert ei.value.file == f.name
+
+
+def test_not_a_safetensors_file(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    f = sorted(src.glob("model-*.safetensors"))[0]
+    f.write_bytes(b"<html>rate limited</html>" * 10)
+    with pytest.raises(SourceError, match="not a safetensors file") as ei:
+        expq.inspect(src)
+    assert ei.value.file == f.name
+
+
+def test_expert_weight_not_float(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    edit_tensor(src, name, lambda w: w.to(torch.int8))
+    with pytest.raises(SourceError, match="not bf16/fp16/fp32") as ei:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert ei.value.tensor == name
+
+
+def test_already_quantized_source(tmp_path, tmp_path_factory):
+    src = example(tmp_path_factory, "mixtral")
+    expq.convert(src, tmp_path / "once", device="cpu")
+    with pytest.raises(SourceError, match="already quantized"):
+        expq.convert(tmp_path / "once", tmp_path / "twice", device="cpu")
+    assert not (tmp_path / "twice").exists()
+
+
+def test_out_not_empty_and_overwrite(tmp_path, tmp_path_factory):
+    src = example(tmp_path_factory, "mixtral")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not empty"):
+        expq.convert(src, out, device="cpu")
+    code, text = run_cli("convert", src, out)
+    assert code == 2 and "--overwrite" in text
+    with pytest.raises(UsageError, match="does not hold a checkpoint"):
+        expq.convert(src, out, device="cpu", overwrite=True)  # never deletes what is not a checkpoint
+    assert (out / "notes.txt").read_text() == "mine"
+    # an earlier output is replaced, stale files removed
+    out2 = tmp_path / "out2"
+    expq.convert(src, out2, device="cpu", max_shard_size="40KB")
+    n_before = len(list(out2.glob("*.safetensors")))
+    expq.convert(src, out2, device="cpu", overwrite=True)
+    assert sorted(p.name for p in out2.glob("*.safetensors")) == ["model.safetensors"] and n_before > 1
+    assert not (out2 / "model.safetensors.index.json").exists()
+
+
+def test_out_overlaps_source(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    before = tree_digest(src)
+    for out in (src, src / "sub", tmp_path):
+        with pytest.raises(UsageError, match="overlaps the source"):
+            expq.convert(src, out, device="cpu", overwrite=True)
+    assert tree_digest(src) == before
+
+
+def test_crash_midway_leaves_no_final_file(tmp_path, tmp_path_factory, monkeypatch):
+    src = example(tmp_path_factory, "qwen3_moe")
+    calls = {"n": 0}
+    real = pipeline._run_quantize
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "_run_quantize", flaky)
+    out = tmp_path / "out"
+    with pytest.raises(OSError):
+        expq.convert(src, out, device="cpu", max_shard_size="40KB")
+    assert_no_output(out)
+    calls["n"] = 0
+    code, text = run_cli("convert", src, out, "--device", "cpu")
+    assert code == 1 and "No space left on device" in text and "Traceback" not in text
+
+
+def test_staging_from_a_killed_run_is_not_a_checkpoint(tmp_path, tmp_path_factory):
+    """A run killed hard leaves only the hidden staging folder: no loader sees a model; the next run cleans it."""
+    src = example(tmp_path_factory, "mixtral")
+    out = tmp_path / "out"
+    (out / ".expq-partial").mkdir(parents=True)
+    (out / ".expq-partial" / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    expq.convert(src, out, device="cpu")
+    assert not (out / ".expq-partial").exists() and (out / "config.json").exists()
+
+
+def test_usage_errors(tmp_path, tmp_path_factory):
+    src = example(tmp_path_factory, "mixtral")
+    code, text = run_cli("convert", src, tmp_path / "o", "--max-shard-size", "lots")
+    assert code == 2 and "not a size" in text
+    code, text = run_cli("convert", src, tmp_path / "o", "--dtype", "int4")
+    assert code == 2 and "unknown --dtype" in text
+    code, text = run_cli("convert", src, tmp_path / "o", "--format", "gguf")
+    assert code == 2 and "unknown --format" in text
+    if not torch.cuda.is_available():
+        code, text = run_cli("convert", src, tmp_path / "o", "--device", "cuda:1")
+        assert code == 2 and "CUDA is not available" in text
+    code, text = run_cli("convert", "/no/such/dir", tmp_path / "o")
+    assert code == 1 and "not a Hub repo id" in text
+    assert not (tmp_path / "o").exists()
+    assert issubclass(UsageError, ExpqError)

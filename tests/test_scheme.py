@@ -1,0 +1,148 @@
+"""The experts_int8 arithmetic against a literal reference of vLLM's function: bit for bit, random and adversarial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import seed_reference
+
+from expq import scheme
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def adversarial_rows(dtype: torch.dtype, cols: int = 96) -> torch.Tensor:
+    """Rows built to hit the arithmetic's edges: exact ties at k + 0.5 steps, a single outlier, all-equal values,
+    a negative absmax, values straddling half steps, huge and tiny magnitudes, zeros."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for s in (2.0**-7, 2.0**-3, 0.37, 3.0):
+        steps = torch.arange(-127, 128, dtype=torch.float64)[: cols - 1] + 0.5  # ties everywhere
+        rows.append(torch.cat([torch.tensor([127.0]), steps]) * s)
+        rows.append(torch.cat([torch.tensor([-127.0]), -steps]) * s)  # negative absmax
+    r = torch.randn(cols, generator=g, dtype=torch.float64) * 0.01
+    r[7] = 5.0  # one outlier: everything else rounds to 0 or +-1
+    rows.append(r)
+    rows.append(torch.full((cols,), 0.123, dtype=torch.float64))  # all equal: every code 127
+    edge = torch.linspace(-1, 1, cols, dtype=torch.float64)
+    rows.append(edge)
+    rows.append(edge * 1e4 if dtype != torch.float16 else edge * 6e4)  # large
+    rows.append(edge * 1e-3)
+    rows.append(torch.randn(cols, generator=g, dtype=torch.float64) * 0.02)
+    w = torch.stack(rows).to(dtype)
+    # values exactly halfway between two representable quotients after the first rounding
+    return w
+
+
+def random_rows(dtype, rows=512, cols=384, seed=0, low=-3):
+    """Gaussian rows with magnitudes from 10**low to 10 (fp16 rows below ~1e-2 get subnormal scales)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(low, 1, rows).unsqueeze(1)
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_golden_half_types(dtype, kind):
+    w = random_rows(dtype) if kind == "random" else adversarial_rows(dtype)
+    codes, scales = scheme.quantize_rows(w)
+    ref_codes, ref_scales = seed_reference(w)
+    assert codes.dtype == torch.int8 and scales.dtype == dtype
+    assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum()} codes differ"
+    assert torch.equal(scales, ref_scales)
+
+
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_golden_float32_follows_cuda(kind):
+    """fp32: CUDA computes `x / 127` as `x * fp32(1/127)`; the CPU divides. expq follows CUDA on every device."""
+    w = random_rows(torch.float32, rows=4096) if kind == "random" else adversarial_rows(torch.float32)
+    codes, scales = scheme.quantize_rows(w)
+    ref_codes, ref_scales = seed_reference(w, cuda_scalar_rule=True)
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(scales, ref_scales)
+
+
+def test_float32_cpu_division_differs():
+    """Negative control: the literal seed on a CPU (true division) gives other fp32 scales for some rows, which is
+    why the CUDA rule above matters."""
+    w = random_rows(torch.float32, rows=4096)
+    _, cpu_scales = seed_reference(w)
+    _, scales = scheme.quantize_rows(w)
+    assert (cpu_scales != scales).sum() > 0
+
+
+def test_double_rounding_is_kept():
+    """Negative control: dividing in fp32 and rounding once (not the seed's arithmetic) changes a few percent of
+    bf16 codes, so the golden test above can tell the two apart."""
+    w = random_rows(torch.bfloat16, rows=1024)
+    codes, scales = scheme.quantize_rows(w)
+    once = (w.float() / scales.float().unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+    frac = (once != codes).float().mean().item()
+    assert frac > 0.005, frac
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows(dtype):
+    w = random_rows(dtype, rows=8, cols=32, low=-1)
+    w[3] = 0
+    codes, scales, rep = scheme.quantize_matrix(w)
+    assert rep.zero_rows == [3] and rep.nonfinite_rows == [] and rep.underflow_rows == []
+    assert scales[3].item() == scheme.ZERO_ROW_SCALE == 0.0 and torch.isfinite(scales).all()
+    assert torch.equal(codes[3], torch.zeros(32, dtype=torch.int8))
+    deq = scheme.dequantize_rows(codes, scales)
+    assert torch.equal(deq[3], torch.zeros(32))  # exactly 0, not -0 or NaN
+    assert not torch.signbit(deq[3]).any()
+    ref_codes, ref_scales = seed_reference(w, cuda_scalar_rule=dtype == torch.float32)
+    assert torch.equal(scales, ref_scales)
+    # the seed's NaN (0/0) codes become 0 through vLLM's cast; everything else equal
+    assert torch.equal(codes[torch.arange(8) != 3], ref_codes[torch.arange(8) != 3])
+
+
+def test_fp16_underflow_reported_and_exact():
+    w = random_rows(torch.float16, rows=6, cols=64, low=-1)
+    w[1] = (torch.randn(64) * 1e-6).to(torch.float16)  # amax ~ 3e-6: scale underflows to 0 / subnormal
+    w[4, :] = 0
+    w[4, 5] = 7e-6
+    codes, scales, rep = scheme.quantize_matrix(w)
+    assert rep.underflow_rows == [1, 4]
+    ref_codes, ref_scales = seed_reference(w)
+    assert torch.equal(scales, ref_scales)
+    keep = torch.tensor([i not in (1, 4) or True for i in range(6)])
+    # rows whose scale is exactly 0 give 0/0 NaN for zero elements -> code 0 via the cast; compare the rest
+    nan_free = ~torch.isnan((w.float() / ref_scales.float().unsqueeze(1)))
+    assert torch.equal(codes[nan_free & keep.unsqueeze(1)], ref_codes[nan_free & keep.unsqueeze(1)])
+
+
+def test_nonfinite_rows_found():
+    w = random_rows(torch.bfloat16, rows=5, cols=16)
+    w[2, 3] = float("nan")
+    w[4, 0] = float("inf")
+    _, _, rep = scheme.quantize_matrix(w)
+    assert rep.nonfinite_rows == [2, 4]
+
+
+def test_codes_range_and_error_bound():
+    w = random_rows(torch.bfloat16)
+    codes, scales = scheme.quantize_rows(w)
+    assert codes.min() >= -127 and codes.max() <= 127
+    # each row's absmax maps to 127, or 126 where the scale rounded up in bf16 (amax / scale = 126.6)
+    assert ((codes.abs().amax(dim=1) == 127) | (codes.abs().amax(dim=1) == 126)).all()
+    err = (scheme.dequantize_rows(codes, scales) - w.float()).abs()
+    # within half a step of the scale, plus the bf16 rounding of w / scale (relative 2^-8 of up to 127 steps)
+    bound = scales.float().unsqueeze(1) * (0.5 + 127 * 2.0**-8)
+    assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("config_dtype,requested,expected", [
+    ("bfloat16", "auto", torch.bfloat16), ("float16", "auto", torch.float16), ("float32", "auto", torch.bfloat16),
+    (None, "auto", torch.bfloat16), ("bfloat16", "float32", torch.float32), ("float32", "fp16", torch.float16),
+])
+def test_compute_dtype_rule(config_dtype, requested, expected):
+    assert scheme.resolve_compute_dtype(config_dtype, requested)[0] == expected
+
+
+def test_compute_dtype_rejects():
+    with pytest.raises(ValueError, match="unknown --dtype"):
+        scheme.resolve_compute_dtype("bfloat16", "int8")
+    with pytest.raises(ValueError, match="pass --dtype"):
+        scheme.resolve_compute_dtype("float8_e4m3fn", "auto")
