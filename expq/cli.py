@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import ExpqError
+from .errors import ExpqError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
@@ -184,6 +184,106 @@ def inspect(
         for row in s["tensors"]:
             tt.add_row(row["name"], row["dtype"], str(row["shape"]), row["action"])
         out.print(tt)
+
+
+@app.command()
+def verify(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
+    source: Annotated[Optional[str], typer.Option(help="Source checkpoint (directory or Hub repo id): adds the "
+                                                       "bit-for-bit and byte-for-byte checks.")] = None,
+    device: Annotated[str, typer.Option(help="Where the kernel check runs: auto, cpu, cuda, cuda:N.")] = "auto",
+    tokens: Annotated[int, typer.Option(help="Random tokens per MoE layer for the kernel check.")] = 64,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision of --source.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
+    Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
+    from .verifier import verify as api_verify
+
+    try:
+        report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision)
+    except ExpqError as e:
+        if not isinstance(e, UsageError):
+            e.exit_code = 2  # unreadable input
+        _fail(e)
+        return
+    except BaseException as e:  # noqa: BLE001
+        _fail(e)
+        return
+    if as_json:
+        print(json.dumps(report.to_dict()))
+    else:
+        t = Table(title=f"expq verify {report.out}", title_justify="left")
+        for col in ("layer", "experts", "structure", "bits vs source", "max row err (steps)", "kernel rel err",
+                    "worst token", "vs source", "result"):
+            t.add_column(col)
+        for r in report.layers:
+            bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
+                                                       f"{r.codes_differ} codes, {r.scales_differ} scales differ")
+            fmt = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
+            t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", "ok" if r.structure_ok else "FAIL", bits,
+                      "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.3f}",
+                      fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err),
+                      "[green]pass[/]" if r.ok else "[red]FAIL[/]")
+        out.print(t)
+        c = Table("check", "result", "detail", title="checks", title_justify="left")
+        for ch in report.checks:
+            c.add_row(ch.name, "[green]pass[/]" if ch.ok else "[red]FAIL[/]", ch.detail)
+        out.print(c)
+        out.print(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
+                  f"{report.tokens}+ tokens per layer; {report.seconds:.1f} s", highlight=False)
+        for p in report.problems[:10]:
+            err.print(f"  [red]problem:[/] {p}", highlight=False)
+        out.print(("[bold green]" if report.ok else "[bold red]") + report.verdict + "[/]", highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
+    prompt: Annotated[str, typer.Option(help="Prompt text (or space-separated token ids if the checkpoint has no "
+                                             "tokenizer).")] = "Hello",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 20,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: CUDA if available).")] = None,
+) -> None:
+    """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
+    import torch
+
+    from .runtime import experts_nbytes, load_model
+
+    try:
+        model = load_model(out_dir, device=device)
+        tok = None
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(out_dir)
+        except Exception:  # noqa: BLE001 - tokenizer-less checkpoints take token ids
+            tok = None
+        dev = next(model.parameters()).device
+        if tok is not None:
+            ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
+        else:
+            try:
+                ids = torch.tensor([[int(x) for x in prompt.replace(",", " ").split()]], device=dev)
+            except ValueError:
+                raise UsageError("this checkpoint has no tokenizer: give --prompt as token ids, e.g. '1 2 3'") \
+                    from None
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
+    except BaseException as e:  # noqa: BLE001
+        _fail(e)
+        return
+    new = gen[0, ids.shape[1]:].tolist()
+    nb = experts_nbytes(model)
+    err.print(f"{type(model).__name__}: routed experts int8 in memory ({_human(nb['experts'])}), "
+              f"rest {_human(nb['other'])}, on {dev}", highlight=False)
+    if tok is not None:
+        out.print(prompt + tok.decode(new, skip_special_tokens=True), highlight=False)
+    else:
+        out.print(" ".join(str(t) for t in new), highlight=False)
 
 
 def main() -> None:

@@ -70,6 +70,8 @@ class Layout:
     expert_biases: tuple[str, ...]  # expert bias tensors (copied as they are; the runtime uses them)
     targets_container: str = "experts"  # module path right before the expert index, for quantization targets
     router_weight_on_input: bool = False  # Llama-4: the router weight scales the expert input, not its output
+    runtime_module: str = ""  # transformers' in-memory experts module inside a decoder layer, e.g. "mlp.experts"
+    runtime_forward: str = "topk"  # its calling convention: "topk" or "dense_premultiplied" (see configs/README.md)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expert_regex(self) -> re.Pattern[str]:
@@ -172,9 +174,17 @@ def load_layout(path: str | Path) -> Layout:
         expert_biases=_tuple(ex.get("biases")),
         targets_container=out.get("targets_container", "experts"),
         router_weight_on_input=bool(cfg.get("router_weight_on_input", False)),
+        runtime_module=data.get("runtime", {}).get("module", ex["module"]),
+        runtime_forward=_runtime_forward(data.get("runtime", {}).get("forward", "topk"), path),
         extra={k: v for k, v in data.items() if k not in ("name", "model_types", "architectures", "experts",
-                                                          "config", "output")},
+                                                          "config", "output", "runtime")},
     )
+
+
+def _runtime_forward(value: str, path: Path) -> str:
+    if value not in ("topk", "dense_premultiplied"):
+        raise LayoutError(f"runtime.forward must be topk or dense_premultiplied, got {value!r}", file=str(path))
+    return value
 
 
 def builtin_layouts() -> list[Layout]:
