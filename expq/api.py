@@ -126,7 +126,8 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
     shards = ShardSet(plan, outdir, fsync=fsync)
     try:
         stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress)
-        _write_side_files(plan, source, outdir, stats, allow_nonfinite)
+        cmd = _command(plan, dtype, allow_nonfinite, layout is not None)
+        _write_side_files(plan, source, outdir, stats, allow_nonfinite, cmd)
         outdir.commit()
     except BaseException:
         shards.close_all()
@@ -146,12 +147,44 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
         nonfinite_examples=[str(n) for n in stats.nonfinite_examples])
 
 
-def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool) -> dict:
+def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:
+    """The ``expq convert`` command line that reproduces OUT (options that differ from the defaults only; the
+    output directory is written ``OUT`` so that the manifest does not depend on where it was written)."""
+    src = plan.source.repo_id or plan.source.root.name
+    parts = ["expq", "convert", src, "OUT"]
+    if plan.source.repo_id and plan.source.commit:
+        parts += ["--revision", plan.source.commit]
+    if dtype != "auto":
+        parts += ["--dtype", dtype]
+    if plan.max_shard_size != 5 * 10**9:
+        parts += ["--max-shard-size", str(plan.max_shard_size)]
+    if layout_given:
+        parts += ["--layout", Path(plan.layout.path).name]
+    if allow_nonfinite:
+        parts.append("--allow-nonfinite")
+    return " ".join(parts)
+
+
+def _source_card(source: Source) -> dict:
+    """The source model card's YAML metadata (licence, language, pipeline tag...), if it has a README.md."""
+    readme = source.root / "README.md"
+    if not readme.is_file():
+        return {}
+    try:
+        from huggingface_hub.repocard import metadata_load
+
+        return metadata_load(readme) or {}
+    except Exception:  # noqa: BLE001 - a card we cannot parse carries nothing over
+        return {}
+
+
+def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool, command: str = "") -> dict:
     """``expq.json``: what produced OUT (for ``verify``, ``push`` and the model card). Deterministic: no time, no
     machine, no absolute paths."""
     s = plan.summary()
     return {
         "expq_version": __version__,
+        "command": command,
         "format": "compressed-tensors",
         "scheme": "experts_int8",
         "source": {"repo_id": plan.source.repo_id, "revision": plan.source.revision, "commit": plan.source.commit,
@@ -172,10 +205,13 @@ def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool) -> dict:
                  "nonfinite_examples": [str(n) for n in stats.nonfinite_examples]},
         "side_files": plan.source.side_files,
         "skipped_files": plan.source.skipped_files,
+        "source_card": _source_card(plan.source),
+        "quantized_bytes_out": sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs),
     }
 
 
-def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool) -> None:
+def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool,
+                      command: str) -> None:
     for rel in source.side_files:
         if rel == MANIFEST:
             continue
@@ -183,5 +219,5 @@ def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunS
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
     qc = ct.quantization_config(plan.targets, plan.ignore)
-    outdir.write_text(MANIFEST, json.dumps(manifest(plan, stats, allow_nonfinite), indent=2) + "\n")
+    outdir.write_text(MANIFEST, json.dumps(manifest(plan, stats, allow_nonfinite, command), indent=2, default=str) + "\n")
     outdir.write_text("config.json", config_json(source.config, qc))

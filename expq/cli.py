@@ -255,12 +255,11 @@ def run(
     try:
         model = load_model(out_dir, device=device)
         tok = None
-        try:
+        if any((out_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                  "tokenizer_config.json")):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(out_dir)
-        except Exception:  # noqa: BLE001 - tokenizer-less checkpoints take token ids
-            tok = None
         dev = next(model.parameters()).device
         if tok is not None:
             ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
@@ -284,6 +283,50 @@ def run(
         out.print(prompt + tok.decode(new, skip_special_tokens=True), highlight=False)
     else:
         out.print(" ".join(str(t) for t in new), highlight=False)
+
+
+@app.command()
+def push(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub model repo, namespace/name (created if needed).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing).")] = None,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead.")] = False,
+    commit_message: Annotated[Optional[str], typer.Option(help="Commit message.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or your login).",
+                                                 show_default=False)] = None,
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Push without verifying first.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the files and the model card; no network.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
+) -> None:
+    """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
+    from .hub import push as api_push
+    from .hub import report_json
+
+    try:
+        res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
+                       commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
+    except BaseException as e:  # noqa: BLE001
+        _fail(e)
+        return
+    if as_json:
+        print(report_json(res))
+        return
+    if dry_run:
+        t = Table("file", "size", title=f"expq push --dry-run: would upload to {repo_id}", title_justify="left")
+        for f in res.files:
+            t.add_row(f["path"], _human(f["size"]))
+        out.print(t)
+        out.print(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}",
+                  highlight=False)
+        sys.stdout.write("\n--- README.md (model card) ---\n\n" + res.card + "\n")
+        return
+    out.print(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
+              f"{' (' + res.revision + ')' if res.revision else ''}; remote sizes and hashes match",
+              highlight=False)
+    for url in (res.pr_url, res.commit_url):
+        if url:
+            out.print(url, highlight=False)
 
 
 def main() -> None:

@@ -83,13 +83,13 @@ def build_example(family: str, path: str | Path, *, dtype: torch.dtype = torch.b
         cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 0, 1, 1
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # a seeded, family-independent initialisation: N(0, 0.05) weights, norms at 1
-        gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a seeded, family-independent initialisation: N(0, 0.05) weights, norms at 1, and a
+        gen = torch.Generator().manual_seed(seed)  # larger lm_head so that next-token distributions are peaked
         for name, p in sorted(model.named_parameters()):
             if p.dim() == 1 and ("norm" in name or "layernorm" in name):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if name.startswith("lm_head") else 0.05))
     model = model.to(dtype)
     model.config.dtype = dtype
     path = Path(path)

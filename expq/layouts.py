@@ -72,6 +72,9 @@ class Layout:
     router_weight_on_input: bool = False  # Llama-4: the router weight scales the expert input, not its output
     runtime_module: str = ""  # transformers' in-memory experts module inside a decoder layer, e.g. "mlp.experts"
     runtime_forward: str = "topk"  # its calling convention: "topk" or "dense_premultiplied" (see configs/README.md)
+    stock_transformers: bool = True  # stock transformers loads this format for the family
+    stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
+    vllm_note: str = ""  # a caveat for some model types of the family
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expert_regex(self) -> re.Pattern[str]:
@@ -176,8 +179,11 @@ def load_layout(path: str | Path) -> Layout:
         router_weight_on_input=bool(cfg.get("router_weight_on_input", False)),
         runtime_module=data.get("runtime", {}).get("module", ex["module"]),
         runtime_forward=_runtime_forward(data.get("runtime", {}).get("forward", "topk"), path),
+        stock_transformers=bool(data.get("clients", {}).get("transformers", True)),
+        stock_vllm=str(data.get("clients", {}).get("vllm", "")),
+        vllm_note=str(data.get("clients", {}).get("vllm_note", "")),
         extra={k: v for k, v in data.items() if k not in ("name", "model_types", "architectures", "experts",
-                                                          "config", "output", "runtime")},
+                                                          "config", "output", "runtime", "clients")},
     )
 
 

@@ -117,7 +117,8 @@ def test_index_config_and_side_files(family, converted):
     assert group["input_activations"] is None
     # targets match exactly the quantized modules (ignored ones excluded), nothing else
     from expq.formats.compressed_tensors import module_matches
-    modules = {n.rsplit(".", 1)[0] for n in tensors if n.endswith((".weight", ".weight_packed"))}
+    modules = {n.rsplit(".", 1)[0] for n, t in tensors.items()
+               if (n.endswith(".weight") and t.dim() == 2) or n.endswith(".weight_packed")}
     quantized = {n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")}
     matched = {m for m in modules if module_matches(m, group["targets"], qc["ignore"])}
     assert matched == quantized

@@ -101,15 +101,16 @@ def quantization_config(targets: list[str], ignore: list[str]) -> dict:
         return json.loads((Path(d) / "config.json").read_text())["quantization_config"]
 
 
-def module_matches(name: str, targets: list[str], ignore: list[str]) -> bool:
-    """Whether a module name is quantized by this config: matches a ``re:`` target and is not ignored
-    (by name or ``re:`` pattern). Used by ``verify`` to check that the targets cover exactly the quantized modules."""
+def module_matches(name: str, targets: list[str], ignore: list[str], is_linear: bool = True) -> bool:
+    """Whether a module is quantized by this config: it matches a target (a ``re:`` pattern, its exact name, or the
+    class name ``Linear`` for a linear module) and no ``ignore`` entry (same forms). Used by ``verify`` to check that
+    the targets cover exactly the quantized modules."""
     def hit(pats: list[str]) -> bool:
         for p in pats:
             if p.startswith("re:"):
                 if re.match(p[3:], name):
                     return True
-            elif p == name:
+            elif p == name or (p == "Linear" and is_linear):
                 return True
         return False
 

@@ -1,0 +1,589 @@
+"""The experts_int8 fused MoE: launch logic for the Triton kernel, and the torch implementations.
+
+Inputs are exactly vLLM's ``experts_int8`` layout (``vllm/model_executor/layers/quantization/experts_int8.py``):
+
+* ``hidden_states`` [T, H], bf16 / fp16 (fp32 also accepted);
+* ``w13`` int8 [E, 2I, H]: rows 0..I-1 the gate projection (gate_proj, w1), rows I..2I-1 the up projection
+  (up_proj, w3), one output channel per row; ``w2`` int8 [E, H, I] (down_proj);
+* ``w13_scale`` fp32 [E, 2I], ``w2_scale`` fp32 [E, H]: one scale per output row, dequantized weight = code * scale;
+* ``topk_weights`` [T, top_k] float, ``topk_ids`` [T, top_k] int32 / int64;
+* optional biases ``w13_bias`` [E, 2I], ``w2_bias`` [E, H] (GPT-OSS), any float dtype.
+
+The computation is vLLM's ``fused_experts`` with ``use_int8_w8a16=True`` (``fused_moe.py``): sort the T*top_k
+(token, slot) pairs by expert and pad each expert's group to a multiple of BLOCK_SIZE_M (``moe_align_block_size``);
+GEMM1 ``[T*top_k, 2I] = x @ (w13 codes).T`` with the int8 tile converted to the activation dtype and fp32 accumulation,
+then ``* w13_scale`` and ``+ w13_bias`` in fp32, stored in the activation dtype; the activation-and-mul in fp32 from
+that cache, stored in the activation dtype [T*top_k, I]; GEMM2 the same with w2, plus the router weight multiplied in
+fp32 before the cast; finally the sum over the top_k slots of each token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+"""Supported activations of the gate/up product, in the order of the kernel's ACTIVATION ids."""
+
+SWIGLUOAI_ALPHA = 1.702
+"""GPT-OSS swiglu alpha (GPT-OSS reference ``swiglu``; transformers ``GptOssExperts.alpha``)."""
+SWIGLUOAI_LIMIT = 7.0
+"""GPT-OSS swiglu clamp limit (GPT-OSS reference ``swiglu_limit``; transformers ``GptOssExperts.limit``)."""
+
+BACKENDS = ("auto", "triton", "torch")
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ID_DTYPES = (torch.int32, torch.int64)
+
+__all__ = [
+    "ACTIVATIONS",
+    "BACKENDS",
+    "SWIGLUOAI_ALPHA",
+    "SWIGLUOAI_LIMIT",
+    "act_and_mul",
+    "fused_moe_int8",
+    "fused_moe_torch",
+    "fused_moe_triton",
+    "get_config",
+    "moe_align_block_size",
+    "moe_reference",
+    "moe_reference_dense",
+    "naive_block_assignment",
+    "select_backend",
+]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Backend choice.
+
+
+def _interpret_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def select_backend(device, backend: str = "auto") -> str:
+    """Which implementation ``fused_moe_int8`` runs for tensors on ``device``.
+
+    Args:
+        device: a ``torch.device`` or device string (``"cuda"``, ``"cuda:1"``, ``"cpu"``, ...).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``"triton"`` or ``"torch"``. ``"auto"`` gives ``"triton"`` on CUDA (NVIDIA or ROCm) and ``"torch"`` on every
+        other device. ``"triton"`` on CPU is allowed only when the environment variable ``TRITON_INTERPRET=1`` is
+        set (the kernels then run in Triton's interpreter: slow, for tests only; its bf16 is unreliable).
+
+    Raises:
+        ValueError: ``backend`` is not one of ``BACKENDS``; or ``"triton"`` was asked for on a device where it cannot
+            run (CPU without ``TRITON_INTERPRET=1``, or a device that is neither CUDA nor CPU).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
+    if backend == "torch":
+        return "torch"
+    if device.type == "cuda":
+        return "triton"
+    if backend == "auto":
+        return "torch"
+    if device.type == "cpu" and _interpret_enabled():
+        return "triton"
+    if device.type == "cpu":
+        raise ValueError("backend: 'triton' on CPU needs the environment variable TRITON_INTERPRET=1 "
+                         "(Triton's interpreter); use backend='torch' or 'auto' on CPU")
+    raise ValueError(f"backend: 'triton' runs on CUDA devices (or CPU with TRITON_INTERPRET=1), not {device.type!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                  apply_router_weight_on_input, dense=False):
+    """Validate the arguments; return (T, H, E, I, top_k). Raises ValueError naming the bad argument.
+
+    ``dense``: w13 / w2 are floating-point weights (``moe_reference_dense``) and there are no scales.
+    """
+
+    def tensor(name, t):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+    named = [("hidden_states", hidden_states), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
+             ("topk_ids", topk_ids)]
+    if not dense:
+        named += [("w13_scale", w13_scale), ("w2_scale", w2_scale)]
+    for name, t in named:
+        tensor(name, t)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states: expected [T, H], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in _ACT_DTYPES:
+        raise ValueError(f"hidden_states: expected dtype bfloat16, float16 or float32, got {hidden_states.dtype}")
+    t_dim, h_dim = hidden_states.shape
+    for name, w in (("w13", w13), ("w2", w2)):
+        if dense and not w.is_floating_point():
+            raise ValueError(f"{name}: expected floating-point (dense) weights, got {w.dtype}")
+        if not dense and w.dtype != torch.int8:
+            raise ValueError(f"{name}: expected dtype int8 (experts_int8 codes), got {w.dtype}")
+    if w13.dim() != 3 or w13.shape[1] % 2 != 0 or w13.shape[1] == 0:
+        raise ValueError(f"w13: expected [E, 2I, H] with an even, non-zero second dimension, got {tuple(w13.shape)}")
+    e_dim, two_i, _ = w13.shape
+    i_dim = two_i // 2
+    if w13.shape[2] != h_dim:
+        raise ValueError(f"w13: expected [E, 2I, H] with H={h_dim} (hidden_states' last dim), got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (e_dim, h_dim, i_dim):
+        raise ValueError(f"w2: expected [E, H, I] = {(e_dim, h_dim, i_dim)} (from w13 and hidden_states), "
+                         f"got {tuple(w2.shape)}")
+    for name, s, shape in (("w13_scale", w13_scale, (e_dim, two_i)), ("w2_scale", w2_scale, (e_dim, h_dim))):
+        if dense:
+            break
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name}: expected dtype float32 (one scale per output row), got {s.dtype}")
+        if tuple(s.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(s.shape)}")
+    for name, b, shape in (("w13_bias", w13_bias, (e_dim, two_i)), ("w2_bias", w2_bias, (e_dim, h_dim))):
+        if b is None:
+            continue
+        tensor(name, b)
+        if not b.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point dtype, got {b.dtype}")
+        if tuple(b.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(b.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t_dim or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids: expected [T, top_k] with T={t_dim}, top_k >= 1, got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids: expected dtype int32 or int64, got {topk_ids.dtype}")
+    top_k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (t_dim, top_k):
+        raise ValueError(f"topk_weights: expected shape {(t_dim, top_k)} (as topk_ids), "
+                         f"got {tuple(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights: expected a floating-point dtype, got {topk_weights.dtype}")
+    if apply_router_weight_on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1 (Llama-4 style), got top_k={top_k}")
+    device = hidden_states.device
+    named = [("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
+             ("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13_bias", w13_bias), ("w2_bias", w2_bias)]
+    for name, t in named:
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but hidden_states is on {device}")
+    # Range of expert ids: checked where it costs no device synchronisation (CPU). On CUDA an id outside [0, E)
+    # makes a device-side index error in the sort.
+    if device.type == "cpu" and topk_ids.numel() > 0:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e_dim:
+            raise ValueError(f"topk_ids: expert ids must lie in [0, {e_dim}), got range [{lo}, {hi}]")
+    return t_dim, h_dim, e_dim, i_dim, top_k
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The activation, in torch (fp32).
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gate/up activation in fp32: x [..., 2I] -> [..., I] fp32 (g = x[..., :I], u = x[..., I:]).
+
+    * ``silu``: silu(g) * u (vLLM ``silu_and_mul``);
+    * ``gelu``: exact erf gelu(g) * u (vLLM ``gelu_and_mul``);
+    * ``gelu_tanh``: tanh-approximate gelu(g) * u (vLLM ``gelu_tanh_and_mul``);
+    * ``swigluoai``: GPT-OSS (reference ``swiglu``, transformers ``GptOssExperts``; vLLM ``swigluoai_and_mul``)
+      g = min(g, 7), u = clamp(u, -7, 7), (u + 1) * g * sigmoid(1.702 g). The halves are [gate | up] here
+      (w13's layout), not the interleaved columns of the GPT-OSS checkpoint.
+
+    Raises:
+        ValueError: unknown ``activation`` or an odd last dimension.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: expected an even last dimension [..., 2I], got {tuple(x.shape)}")
+    i_dim = x.shape[-1] // 2
+    g = x[..., :i_dim].float()
+    u = x[..., i_dim:].float()
+    if activation == "silu":
+        return F.silu(g) * u
+    if activation == "gelu":
+        return F.gelu(g) * u
+    if activation == "gelu_tanh":
+        return F.gelu(g, approximate="tanh") * u
+    g = g.clamp(max=SWIGLUOAI_LIMIT)
+    u = u.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
+    return (u + 1.0) * (g * torch.sigmoid(SWIGLUOAI_ALPHA * g))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# fp32 reference.
+
+
+def moe_reference(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False) -> torch.Tensor:
+    """The experts_int8 MoE in fp32 from dequantized weights: the yardstick for the other implementations.
+
+    Every step is fp32 with no intermediate rounding: weights ``code.float() * scale[:, None]``, the input
+    ``hidden_states.float()``, the biases and router weights in fp32. For each token t and slot k with expert
+    e = topk_ids[t, k] and weight r = topk_weights[t, k]:
+
+        h = x_t @ W13_e.T + b13_e                  (x_t multiplied by r first if apply_router_weight_on_input)
+        out_t += r * (act(h) @ W2_e.T + b2_e)      (r omitted if apply_router_weight_on_input)
+
+    Args / shapes: as ``fused_moe_int8``.
+
+    Returns:
+        fp32 [T, H].
+
+    Raises:
+        ValueError: as ``fused_moe_int8``.
+
+    Source: vLLM ``fused_experts`` (``fused_moe.py``) with ``use_int8_w8a16``; activations as ``act_and_mul``.
+    """
+    _, _, _, _, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
+                                      w13_bias, w2_bias, apply_router_weight_on_input)
+    return _reference(hidden_states, lambda e: w13[e].float() * w13_scale[e].float()[:, None],
+                      lambda e: w2[e].float() * w2_scale[e].float()[:, None], topk_weights, topk_ids, top_k,
+                      activation, w13_bias, w2_bias, apply_router_weight_on_input)
+
+
+def moe_reference_dense(hidden_states, w13, w2, topk_weights, topk_ids, *, activation="silu", w13_bias=None,
+                        w2_bias=None, apply_router_weight_on_input=False) -> torch.Tensor:
+    """``moe_reference`` for unquantized weights: the source model's experts in fp32.
+
+    Args:
+        w13: floating [E, 2I, H] (gate rows then up rows, as ``fused_moe_int8``'s w13), any float dtype;
+        w2: floating [E, H, I]; everything else as ``fused_moe_int8``.
+
+    Returns:
+        fp32 [T, H], with the formula of ``moe_reference`` and W13_e = w13[e].float(), W2_e = w2[e].float().
+
+    Raises:
+        ValueError: wrong shapes or dtypes (naming the argument), unknown activation, on-input with top_k > 1.
+    """
+    _, _, _, _, top_k = _check_inputs(hidden_states, w13, w2, None, None, topk_weights, topk_ids, activation,
+                                      w13_bias, w2_bias, apply_router_weight_on_input, dense=True)
+    return _reference(hidden_states, lambda e: w13[e].float(), lambda e: w2[e].float(), topk_weights, topk_ids,
+                      top_k, activation, w13_bias, w2_bias, apply_router_weight_on_input)
+
+
+def _reference(hidden_states, w13_of, w2_of, topk_weights, topk_ids, top_k, activation, w13_bias, w2_bias,
+               apply_router_weight_on_input):
+    """fp32 MoE with per-expert fp32 weights w13_of(e) [2I, H] and w2_of(e) [H, I]."""
+    t_dim, h_dim = hidden_states.shape
+    out = torch.zeros(t_dim, h_dim, dtype=torch.float32, device=hidden_states.device)
+    if t_dim == 0:
+        return out
+    x_all = hidden_states.float()
+    weights = topk_weights.float().reshape(-1)
+    flat_ids = topk_ids.reshape(-1).long()
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tok = pairs // top_k
+        r = weights[pairs][:, None]
+        x = x_all[tok]
+        if apply_router_weight_on_input:
+            x = x * r
+        h = x @ w13_of(e).T
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        y = act_and_mul(h, activation) @ w2_of(e).T
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        if not apply_router_weight_on_input:
+            y = y * r
+        out.index_add_(0, tok, y)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Torch backend.
+
+
+def fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
+                    w13_bias=None, w2_bias=None, apply_router_weight_on_input=False) -> torch.Tensor:
+    """The experts_int8 MoE in plain torch, rounding where the Triton kernels round.
+
+    Per expert that has tokens: gather its (token, slot) pairs; ``x @ codes.T`` with fp32 accumulation (the input in
+    the activation dtype is exact in fp32, and so are the int8 codes); ``* scale + bias`` in fp32, rounded to the
+    activation dtype (GEMM1's cache); the activation in fp32, rounded; GEMM2 the same way with the router weight
+    multiplied in fp32 before the rounding; ``index_add`` into an fp32 [T, H] sum, cast to the activation dtype.
+
+    Args / shapes / returns / raises: as ``fused_moe_int8``.
+    """
+    t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                                                      topk_ids, activation, w13_bias, w2_bias,
+                                                      apply_router_weight_on_input)
+    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
+                            w13_bias, w2_bias, apply_router_weight_on_input, top_k)
+
+
+def _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias,
+                     w2_bias, apply_router_weight_on_input, top_k):
+    dtype = hidden_states.dtype
+    t_dim, h_dim = hidden_states.shape
+    e_dim = w13.shape[0]
+    out = torch.zeros(t_dim, h_dim, dtype=torch.float32, device=hidden_states.device)
+    if t_dim == 0:
+        return out.to(dtype)
+    x_all = hidden_states
+    if apply_router_weight_on_input:
+        # As vLLM's prepare step: the input times the router weight, in the activation dtype (top_k == 1).
+        x_all = hidden_states * topk_weights.to(dtype)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=e_dim).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tok = pairs // top_k
+        x = x_all[tok].float()
+        h = x @ w13[e].float().T
+        h = h * w13_scale[e]
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        h = h.to(dtype)
+        a = act_and_mul(h, activation).to(dtype).float()
+        y = a @ w2[e].float().T
+        y = y * w2_scale[e]
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        if not apply_router_weight_on_input:
+            y = y * flat_w[pairs][:, None]
+        out.index_add_(0, tok, y.to(dtype).float())
+    return out.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Triton backend: token sort, block sizes, the pipeline.
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Sort the T*top_k (token, slot) pairs by expert and pad each expert's group to a multiple of ``block_size``.
+
+    Pair p = t * top_k + k (row-major in ``topk_ids``). The result has the layout of vLLM's ``moe_align_block_size``
+    and is computed with torch ops that never synchronise with the device (so the call can be captured in a CUDA
+    graph).
+
+    Returns:
+        sorted_token_ids: int32 [max_padded], the pair ids grouped by expert (ascending expert, and ascending pair id
+            within an expert); each group is followed by padding entries equal to T*top_k up to a multiple of
+            ``block_size``; unused tail entries are T*top_k as well.
+        expert_ids: int32 [max_padded // block_size], the expert of each block; -1 for blocks past the end.
+        num_tokens_post_padded: int32 [1], the used length of ``sorted_token_ids`` (sum of the padded group sizes).
+
+    ``max_padded`` = min(T*top_k + E*(block_size-1), T*top_k*block_size) rounded up to a multiple of
+    ``block_size``: a bound that holds for any routing (an expert with c >= 1 pairs takes ceil(c / block_size)
+    blocks, which is at most c and at most c / block_size + 1).
+
+    Raises:
+        ValueError: ``topk_ids`` not integer, ``block_size`` < 1 or ``num_experts`` < 1.
+    """
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids: expected dtype int32 or int64, got {topk_ids.dtype}")
+    if block_size < 1:
+        raise ValueError(f"block_size: expected >= 1, got {block_size}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    numel = flat.numel()
+    max_padded = min(numel + num_experts * (block_size - 1), numel * block_size)
+    max_padded = -(-max_padded // block_size) * block_size
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_size - 1) // block_size * block_size
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(numel, device=device) - count_start[sorted_experts]
+    pos = padded_start[sorted_experts] + rank
+    sorted_token_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, pos, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_size, device=device)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, torch.full_like(expert_ids, -1)).to(torch.int32)
+    num_tokens_post_padded = padded_end[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+_SPARSITY_FACTOR = 4
+"""vLLM's rule (``fused_experts_impl``): with T*top_k*4 <= E, give every pair its own block instead of sorting."""
+
+
+def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
+    """One block per (token, slot) pair, unsorted: the decode shortcut of vLLM's ``fused_experts_impl``.
+
+    With few pairs and many experts, almost every pair has an expert of its own, so sorting buys nothing and costs
+    kernel launches. Same outputs as ``moe_align_block_size`` (same meaning): sorted_token_ids int32
+    [T*top_k*block_size] with pair p at p*block_size and padding (T*top_k) elsewhere; expert_ids int32 [T*top_k] =
+    topk_ids flattened; num_tokens_post_padded int32 [1] = T*top_k*block_size.
+
+    Raises:
+        ValueError: ``topk_ids`` not integer or ``block_size`` < 1.
+    """
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids: expected dtype int32 or int64, got {topk_ids.dtype}")
+    if block_size < 1:
+        raise ValueError(f"block_size: expected >= 1, got {block_size}")
+    device = topk_ids.device
+    numel = topk_ids.numel()
+    sorted_token_ids = torch.full((numel, block_size), numel, dtype=torch.int32, device=device)
+    sorted_token_ids[:, 0] = torch.arange(numel, dtype=torch.int32, device=device)
+    expert_ids = topk_ids.reshape(-1).to(torch.int32)
+    num_tokens_post_padded = torch.full((1,), numel * block_size, dtype=torch.int32, device=device)
+    return sorted_token_ids.reshape(-1), expert_ids, num_tokens_post_padded
+
+
+# Block sizes by average number of (token, slot) pairs per expert. Small groups (decode) are bound by reading the
+# weights: BLOCK_SIZE_M 16 wastes little on padding and long K tiles keep loads in flight. From 17 pairs per expert
+# on, one 64-row block per expert converts each int8 weight tile to the activation dtype once for all its rows, and
+# that conversion, not the bandwidth, is the cost. GROUP_SIZE_M 8 makes consecutive programs walk the M blocks of one
+# N tile before the next tile (an expert's blocks reuse its weight tile from L2). Entries: (max pairs per expert,
+# config). Measured on one H200 (Triton 3.6, bf16, CUDA-graph replay, bench/bench_kernel.py --sweep over 14 configs,
+# Mixtral-8x7B / Qwen3-30B-A3B / DeepSeek-V3 shapes): the first row is within 17% of the best swept config at 0.25,
+# 1 and 8 pairs per expert; 64x128x64 was the best at 32 (by 16% to 18% over BLOCK_SIZE_M 32), 64 and 128 pairs per
+# expert, and within 5% of the best (128x256x64) at 1024.
+_CONFIG_TABLE = (
+    (16, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4)),
+    (math.inf, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4)),
+)
+
+# Under the interpreter (CPU) the block shape sets the cost of every numpy op: small tiles, and they exercise masks.
+_INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4,
+                           num_stages=1)
+
+
+def get_config(num_tokens: int, num_experts: int, top_k: int, device=None) -> dict:
+    """Block sizes for ``fused_moe_w8a16_kernel``: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages.
+
+    Chosen from ``_CONFIG_TABLE`` by the average number of (token, slot) pairs per expert,
+    ``num_tokens * top_k / num_experts``: BLOCK_SIZE_M 16 for decode-sized groups up to 64 for large prefill groups.
+    CPU (interpreter) gets small fixed tiles. Returns a new dict.
+    """
+    if device is not None and torch.device(device).type == "cpu":
+        return dict(_INTERPRETER_CONFIG)
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    for limit, config in _CONFIG_TABLE:
+        if per_expert <= limit:
+            return dict(config)
+    raise AssertionError("unreachable")
+
+
+_ACT_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
+
+
+def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
+                     w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None) -> torch.Tensor:
+    """The experts_int8 MoE through the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+    Args / shapes / returns / raises: as ``fused_moe_int8``; ``config`` overrides ``get_config``'s block sizes
+    (a dict with BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages).
+    """
+    t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                                                      topk_ids, activation, w13_bias, w2_bias,
+                                                      apply_router_weight_on_input)
+    return _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
+                             w13_bias, w2_bias, apply_router_weight_on_input, top_k, config)
+
+
+def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias,
+                      w2_bias, apply_router_weight_on_input, top_k, config):
+    from . import fused_moe_triton as fk
+
+    dtype = hidden_states.dtype
+    device = hidden_states.device
+    t_dim, h_dim = hidden_states.shape
+    e_dim, two_i, _ = w13.shape
+    i_dim = two_i // 2
+    if t_dim == 0:
+        return hidden_states.new_zeros(0, h_dim)
+    if config is None:
+        config = get_config(t_dim, e_dim, top_k, device)
+    num_pairs = t_dim * top_k
+
+    x = hidden_states.contiguous()
+    if apply_router_weight_on_input:
+        # vLLM's prepare step (MoEPrepareAndFinalizeNoEP): a1 * topk_weights in the activation dtype; top_k == 1.
+        x = x * topk_weights.to(dtype)
+    flat_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    scale13 = w13_scale.contiguous()
+    scale2 = w2_scale.contiguous()
+    bias13 = None if w13_bias is None else w13_bias.to(torch.float32).contiguous()
+    bias2 = None if w2_bias is None else w2_bias.to(torch.float32).contiguous()
+
+    if num_pairs * _SPARSITY_FACTOR <= e_dim:
+        sorted_ids, expert_ids, num_post = naive_block_assignment(topk_ids, config["BLOCK_SIZE_M"])
+    else:
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_dim)
+    cache1 = torch.empty(num_pairs, two_i, dtype=dtype, device=device)
+    cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
+    cache3 = torch.empty(num_pairs, h_dim, dtype=dtype, device=device)
+
+    # Triton launches on the current CUDA device: switch only when the tensors live on another one.
+    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+    guard = torch.cuda.device(device) if switch else contextlib.nullcontext()
+    with guard:
+        fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, sorted_ids, expert_ids, num_post,
+                                  top_k=top_k, mul_routed_weight=False, config=config)
+        fk.invoke_act_and_mul(cache1, cache2, _ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
+        fk.invoke_fused_moe_w8a16(cache2, w2, cache3, scale2, bias2, flat_w, sorted_ids, expert_ids, num_post,
+                                  top_k=1, mul_routed_weight=not apply_router_weight_on_input, config=config)
+    if top_k == 1:
+        return cache3
+    return cache3.view(t_dim, top_k, h_dim).sum(dim=1, dtype=torch.float32).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
+                   w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, backend="auto") -> torch.Tensor:
+    """Routed experts with experts_int8 weights: out[t] = sum_k r[t,k] * (down(act(gate_up(x_t))) + b2).
+
+    Args:
+        hidden_states: [T, H] bfloat16 / float16 (float32 accepted) activations; T may be 0.
+        w13: int8 [E, 2I, H] codes; rows 0..I-1 gate_proj (w1), rows I..2I-1 up_proj (w3).
+        w2: int8 [E, H, I] codes of down_proj.
+        w13_scale: float32 [E, 2I], w2_scale: float32 [E, H]: per-output-row scales (weight = code * scale).
+        topk_weights: [T, top_k] router weights (float32 or the activation dtype; used in fp32).
+        topk_ids: [T, top_k] int32 / int64 expert ids in [0, E). The same expert twice for a token is computed twice.
+        activation: one of ``ACTIVATIONS`` (see ``act_and_mul``), applied to g = first I, u = last I columns of
+            GEMM1's output after scale and bias.
+        w13_bias: optional [E, 2I], w2_bias: optional [E, H] expert biases (any float dtype; used in fp32).
+        apply_router_weight_on_input: Llama-4 style: multiply each token's input by its router weight (in the
+            activation dtype, as vLLM) before the experts and not the output; needs top_k == 1.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``, resolved by ``select_backend``.
+
+    Returns:
+        [T, H] in hidden_states' dtype.
+
+    Raises:
+        ValueError: a wrong shape or dtype (the message names the argument), an unknown activation or backend,
+            apply_router_weight_on_input with top_k > 1, tensors on different devices, expert ids out of range
+            (checked on CPU only, where it costs no synchronisation), or backend 'triton' where it cannot run.
+
+    The arithmetic is vLLM's ``fused_experts`` with ``use_int8_w8a16=True`` (``fused_moe.py``, the Triton
+    ``fused_moe_kernel`` and its ``invoke_fused_moe_kernel`` pipeline, as used by ``experts_int8``): int8 tiles
+    converted to the activation dtype, fp32 accumulation, per-channel scale after the K loop, bias, router weight,
+    one cast per GEMM; intermediate caches in the activation dtype; the activation in fp32. GPT-OSS's swiglu follows
+    the GPT-OSS reference implementation / transformers ``GptOssExperts``.
+    """
+    t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                                                      topk_ids, activation, w13_bias, w2_bias,
+                                                      apply_router_weight_on_input)
+    chosen = select_backend(hidden_states.device, backend)
+    if chosen == "triton":
+        return _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
+                                 w13_bias, w2_bias, apply_router_weight_on_input, top_k, None)
+    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
+                            w13_bias, w2_bias, apply_router_weight_on_input, top_k)

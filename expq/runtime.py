@@ -1,0 +1,229 @@
+"""Run converted checkpoints with the routed experts kept int8 in memory.
+
+``load_model`` loads a checkpoint written by ``expq convert`` into its transformers model class. transformers loads
+everything but the routed experts, exactly as it always does (its renames, dtypes, devices, tied weights); each MoE
+layer's experts module is an ``Int8Experts`` subclass of transformers' own experts class, built without its
+dense weights, holding the experts_int8 tensors (``w13`` int8 [E, 2I, H], ``w2`` int8 [E, H, I], fp32 ``w13_scale``
+[E, 2I] and ``w2_scale`` [E, H], plus expert biases where the family has them) and running expq's fused-MoE kernel
+(Triton on CUDA, the torch implementation on CPU). Memory: int8 weights plus scales, never the dense experts.
+
+How it hooks in: while ``from_pretrained`` builds the model, the name of transformers' experts class in its modeling
+module points at the int8 subclass (restored right after), so the model is created with it; the dense weights it
+would have had are empty placeholders (transformers reports them missing and the packed tensors unexpected, which
+is expected and silenced); then the int8 tensors are read from the checkpoint, one layer at a time, and attached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from .checkpoint import ConvertedCheckpoint, LayerExperts
+from .errors import ExpqError, LayoutError
+
+_PATCH_LOCK = threading.Lock()
+
+
+def load_experts(path: str | Path, layer: int | None = None) -> dict:
+    """The routed experts of a converted checkpoint in vLLM's experts_int8 layout.
+
+    Args:
+        path: a directory written by ``expq convert``.
+        layer: one MoE layer index, or None for all.
+
+    Returns:
+        ``{layer: {"w13_weight": int8 [E, 2I, H], "w2_weight": int8 [E, H, I], "w13_scale": fp32 [E, 2I],
+        "w2_scale": fp32 [E, H], ["w13_bias": [E, 2I], "w2_bias": [E, H]]}}`` (CPU tensors; w13 rows are gate
+        then up), or that inner dict alone when ``layer`` is given.
+
+    Raises:
+        ExpqError: not a converted checkpoint, or ``layer`` is not a MoE layer (the message lists them).
+    """
+    ck = ConvertedCheckpoint(path)
+    if layer is not None:
+        if layer not in ck.moe_layers:
+            raise LayoutError(f"layer {layer} is not a MoE layer; MoE layers: {ck.moe_layers}", file=str(path))
+        return ck.layer_experts(layer).as_dict()
+    return {L: ck.layer_experts(L).as_dict() for L in ck.moe_layers}
+
+
+def _int8_experts_class(base: type, weight_numel: int) -> type:
+    """A subclass of transformers' experts class ``base`` that holds experts_int8 tensors and runs the kernel;
+    parameters of at least ``weight_numel`` elements (the stacked expert weights) are not allocated."""
+
+    class Int8Experts(base):  # type: ignore[misc, valid-type]
+        expq_int8 = True
+
+        def __init__(self, *args, **kwargs):
+            with torch.device("meta"):
+                super().__init__(*args, **kwargs)
+            self._drop_dense_weights()
+            self.activation = "silu"
+            self.forward_kind = "topk"
+            self.apply_router_weight_on_input = False
+            self.backend = "auto"
+
+        def _drop_dense_weights(self) -> None:
+            # The expert weight matrices (E x I x H elements: 3-D stacked, or DBRX's 2-D [E*I, H]) become empty
+            # placeholders; biases (GPT-OSS) and anything else small keep their shape and load as usual.
+            for mod in self.modules():
+                for name, p in list(mod.named_parameters(recurse=False)):
+                    if p.numel() >= weight_numel:
+                        setattr(mod, name, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False))
+
+        def attach(self, ex: LayerExperts, *, activation: str, forward_kind: str, on_input: bool,
+                   device: torch.device) -> None:
+            for name, t in (("w13_weight", ex.w13), ("w2_weight", ex.w2), ("w13_scale", ex.w13_scale),
+                            ("w2_scale", ex.w2_scale), ("w13_bias", ex.w13_bias), ("w2_bias", ex.w2_bias)):
+                self.register_buffer(name, None if t is None else t.to(device), persistent=False)
+            self.activation, self.forward_kind, self.apply_router_weight_on_input = activation, forward_kind, on_input
+
+        def forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
+            from .kernels import fused_moe_int8
+
+            shape = hidden_states.shape
+            x = hidden_states.reshape(-1, shape[-1])
+            E = self.w13_weight.shape[0]
+            bias = {"w13_bias": self.w13_bias, "w2_bias": self.w2_bias}
+            if self.forward_kind == "dense_premultiplied":
+                # x is [E*T, H]: expert e's block holds the tokens already scaled by their router score, zero rows
+                # for tokens that did not pick e (Llama-4). Run only the picked (non-zero) rows, weight 1.
+                xe = x.view(E, -1, x.shape[-1])
+                picked = xe.abs().amax(dim=-1) > 0  # [E, T]
+                e_idx, t_idx = picked.nonzero(as_tuple=True)
+                out = torch.zeros_like(xe)
+                if e_idx.numel():
+                    y = fused_moe_int8(xe[e_idx, t_idx], self.w13_weight, self.w2_weight, self.w13_scale,
+                                       self.w2_scale, torch.ones(e_idx.numel(), 1, device=x.device),
+                                       e_idx.view(-1, 1).to(torch.int32), activation=self.activation,
+                                       backend=self.backend, **bias)
+                    out[e_idx, t_idx] = y
+                return out.view(shape)
+            ids = top_k_index.reshape(x.shape[0], -1)
+            w = top_k_weights.reshape(x.shape[0], -1)
+            y = fused_moe_int8(x, self.w13_weight, self.w2_weight, self.w13_scale, self.w2_scale, w, ids,
+                               activation=self.activation,
+                               apply_router_weight_on_input=self.apply_router_weight_on_input,
+                               backend=self.backend, **bias)
+            return y.view(shape)
+
+        def extra_repr(self) -> str:
+            if getattr(self, "w13_weight", None) is None:
+                return "int8 experts (not attached)"
+            E, twoI, H = self.w13_weight.shape
+            return f"experts_int8: {E} experts, w13 int8 [{E}, {twoI}, {H}], activation={self.activation}"
+
+    Int8Experts.__name__ = Int8Experts.__qualname__ = f"Int8{base.__name__}"
+    return Int8Experts
+
+
+@contextlib.contextmanager
+def _patched(cls: type, replacement: type):
+    module = sys.modules[cls.__module__]
+    with _PATCH_LOCK:
+        setattr(module, cls.__name__, replacement)
+        try:
+            yield
+        finally:
+            setattr(module, cls.__name__, cls)
+
+
+def _experts_modules(model, ck: ConvertedCheckpoint) -> dict[int, torch.nn.Module]:
+    """MoE layer index -> the model's experts module (``<layers>.<L>.<runtime module>``)."""
+    lay = ck.layout
+    found = {}
+    for L in ck.moe_layers:
+        suffix = f"{lay.layers}.{L}.{lay.runtime_module}"
+        hits = [m for n, m in model.named_modules() if n == suffix or n.endswith("." + suffix)]
+        if len(hits) != 1:
+            raise LayoutError(f"layer {L}: found {len(hits)} modules named *{suffix} in the transformers model "
+                              f"{type(model).__name__} (expected 1); the layout's runtime.module may not fit this "
+                              "transformers version", file=lay.path)
+        found[L] = hits[0]
+    return found
+
+
+def load_model(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+               backend: str = "auto", **from_pretrained_kwargs):
+    """Load a converted checkpoint into its transformers model class, routed experts int8 in memory.
+
+    Args:
+        path: a directory written by ``expq convert``.
+        device: where the model goes (``"cpu"``, ``"cuda"``, ``"cuda:1"``...); default CUDA if available, else CPU.
+        dtype: the model dtype for everything but the experts (default: the checkpoint's, as transformers'
+            ``dtype="auto"``).
+        backend: the experts kernel: ``auto`` (Triton on CUDA, torch on CPU), ``triton`` or ``torch``.
+        from_pretrained_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
+
+    Returns:
+        a ``transformers.PreTrainedModel`` in eval mode whose MoE layers hold ``Int8<Family>Experts`` modules
+        (``w13_weight``/``w2_weight`` int8, ``w13_scale``/``w2_scale`` fp32). ``generate()`` works.
+
+    Raises:
+        ExpqError: not a converted checkpoint; transformers cannot instantiate this architecture; the layout's
+            runtime module is not found in the model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as tlog
+
+    ck = ConvertedCheckpoint(path)
+    lay = ck.layout
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, ImportError) as e:
+        raise ExpqError(f"transformers cannot instantiate model_type {config.model_type if 'config' in dir() else '?'}"
+                        f": {str(e).splitlines()[0]}", file=str(path)) from None
+    base_modules = _experts_modules(skeleton, ck)
+    base = type(next(iter(base_modules.values())))
+    del skeleton
+    int8_cls = _int8_experts_class(base, ck.num_experts * (ck.intermediate_size or 1) * (ck.hidden_size or 1))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # expq loads the experts; transformers must not dequantize them
+    kw = dict(from_pretrained_kwargs)
+    kw.setdefault("dtype", dtype if dtype is not None else "auto")
+    if dev.type != "cpu":
+        kw.setdefault("device_map", str(dev))  # load straight onto the device (accelerate)
+    prev = tlog.get_verbosity()
+    tlog.set_verbosity_error()  # the packed tensors are "unexpected" and the dense experts "missing": by design
+    try:
+        with _patched(base, int8_cls):
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, **kw)
+    finally:
+        tlog.set_verbosity(prev)
+    for L, mod in _experts_modules(model, ck).items():
+        if not isinstance(mod, int8_cls):
+            raise ExpqError(f"layer {L}: transformers built {type(mod).__name__}, not the int8 experts",
+                            file=str(path))
+        mod.attach(ck.layer_experts(L), activation=lay.activation, forward_kind=lay.runtime_forward,
+                   on_input=lay.router_weight_on_input and lay.runtime_forward == "topk", device=dev)
+        mod.backend = backend
+    model.eval()
+    model.expq_layout = lay.name
+    return model
+
+
+def experts_nbytes(model) -> dict[str, int]:
+    """Bytes the routed experts occupy in ``model`` (int8 weights, scales, biases) and the rest of the model."""
+    experts = other = 0
+    seen = set()
+    for mod in model.modules():
+        if getattr(mod, "expq_int8", False):
+            for t in mod.buffers(recurse=False):
+                if t is not None:
+                    experts += t.numel() * t.element_size()
+                    seen.add(id(t))
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            other += t.numel() * t.element_size()
+    return {"experts": experts, "other": other}
+
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,0 +1,523 @@
+"""``verify``: prove a converted checkpoint right, or fail naming the layer, expert and tensor.
+
+Checks:
+
+1. structure (no source needed): index and shards agree; every routed expert of every MoE layer is there with the
+   format's dtypes and shapes; codes in [-127, 127]; scales finite, positive (0 only for an all-zero row, or a row
+   the manifest lists as underflowed); each row's largest code is 126 or 127 (the scheme maps the row absmax there,
+   so a zeroed or corrupted row shows); the quantization_config validates with compressed-tensors and its targets
+   match exactly the quantized modules; every file loads with ``safetensors``;
+2. against the source (``source=``): each quantized matrix equals re-quantizing the source matrix bit for bit (counts
+   of differing codes and scales per tensor); every other tensor is byte-identical; each row's dequantization error
+   is within half a step (plus the scheme's own rounding of w/scale to the compute dtype);
+3. kernel: per MoE layer, expq's fused-MoE kernel on the int8 weights (Triton on CUDA, the torch implementation
+   elsewhere; the report says which) with routing forced so every expert gets tokens, against an fp32 reference from
+   the dequantized weights, and against the source experts when given.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import ConvertedCheckpoint, LayerExperts
+from .errors import ExpqError, SourceError, UsageError
+from .formats import compressed_tensors as ct
+from .source import INDEX_NAME, TORCH_DTYPES
+
+# --- thresholds ----------------------------------------------------------------------------------------------------
+# Kernel vs the fp32 reference on the same (dequantized) weights: the only differences are roundings. In bf16 each of
+# the activation cast, the GEMM1 cache, the activation output and GEMM2's cast rounds to 2^-9 relative; a few such
+# roundings through two GEMMs give ~0.5% relative on a layer's output; 2% leaves room without hiding a wrong scale
+# (a doubled scale on one of E experts moves the layer by >> 2%). fp16 has 3 more mantissa bits, fp32 none lost.
+KERNEL_REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+# The worst single token sees fewer experts, so less averaging: 4x the layer bound.
+KERNEL_TOKEN_TOL = {k: 4 * v for k, v in KERNEL_REL_TOL.items()}
+# Against the source's own experts, the int8 error adds up: per-row absmax/127 steps give ~0.3-1% relative error
+# per GEMM on Gaussian-like weights, two GEMMs and the activation compound it; 6% flags a wrong scale or codes
+# without flagging honest int8 noise on outlier-heavy rows.
+SOURCE_REL_TOL = 6e-2
+# Extra dequantization error allowed beyond half a step: the scheme rounds w/scale to the compute dtype before
+# round() and rounds the scale itself, each worth up to 127 * u steps (u = unit roundoff of the dtype).
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+MAX_PROBLEMS = 50
+
+
+@dataclass
+class Check:
+    """One check: name, pass/fail, and a detail line (the first problem found, naming where)."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class LayerResult:
+    """Results for one MoE layer."""
+
+    layer: int
+    experts: int
+    ok: bool = True
+    structure_ok: bool = True
+    codes_differ: int | None = None  # against the source (None: no source)
+    scales_differ: int | None = None
+    max_row_error_steps: float | None = None  # worst |w - q*s| / s over rows, against the source
+    kernel_rel_err: float | None = None  # ||out - ref|| / ||ref||, ref = fp32 on the dequantized weights
+    kernel_worst_token_err: float | None = None
+    source_rel_err: float | None = None  # same kernel output against the source's experts (fp32)
+    experts_exercised: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found. ``ok`` is True only if every check passed and the int8 kernel path ran."""
+
+    out: str
+    source: str | None
+    ok: bool
+    verdict: str
+    backend: str
+    device: str
+    activation_dtype: str
+    tokens: int
+    checks: list[Check]
+    layers: list[LayerResult]
+    problems: list[str]
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fail(problems: list[str], msg: str) -> None:
+    if len(problems) < MAX_PROBLEMS:
+        problems.append(msg)
+
+
+def verify(out: str | Path, source: str | Path | None = None, *, device: str = "auto", tokens: int = 64,
+           revision: str | None = None, seed: int = 0) -> VerifyReport:
+    """Verify a checkpoint written by ``expq convert``.
+
+    Args:
+        out: the converted checkpoint directory.
+        source: the source checkpoint (directory or Hub repo id) for the bit-for-bit and byte-for-byte checks.
+        device: ``auto`` (CUDA if present), ``cpu``, ``cuda`` or ``cuda:N``: where the kernel check runs.
+        tokens: random tokens per MoE layer for the kernel check (raised so every expert gets at least one).
+        revision: Hub revision of ``source``.
+        seed: seed of the random activations.
+
+    Returns:
+        VerifyReport (``ok`` False when any check fails; problems name layer/expert/tensor).
+
+    Raises:
+        UsageError: bad device or tokens. SourceError: ``out`` (or the source) cannot be read at all.
+    """
+    from .kernels import fused_moe_int8, moe_reference, moe_reference_dense, select_backend
+    from .pipeline import parse_devices
+
+    t0 = time.perf_counter()
+    if tokens < 1:
+        raise UsageError("--tokens must be at least 1")
+    dev = parse_devices(device)[0]
+    ck = ConvertedCheckpoint(out)
+    problems: list[str] = []
+    checks: list[Check] = []
+    checks.append(_check_index(ck, problems))
+    checks.append(_check_files_load(ck, problems))
+    checks.append(_check_quantization_config(ck, problems))
+    missing = _check_modules_present(ck, problems)
+    checks.append(missing)
+
+    plan = None
+    src_jobs_by_layer: dict[int, list] = {}
+    if source is not None:
+        from .plan import make_plan
+        from .source import resolve_source
+
+        src = resolve_source(source, revision=revision)
+        opts = ck.manifest.get("options", {})
+        plan = make_plan(src, layout=ck.layout, dtype=opts.get("dtype", "auto"))
+        for j in plan.jobs:
+            if j.kind == "quantize":
+                src_jobs_by_layer.setdefault(j.matrices[0].layer, []).append(j)
+        checks.append(_check_passthrough(ck, plan, problems))
+
+    act_dtype = ck.scale_dtype if dev.type == "cuda" or ck.scale_dtype != torch.float16 else ck.scale_dtype
+    backend = select_backend(dev)
+    underflow_budget = int(ck.manifest.get("rows", {}).get("underflow", 0))
+    layers: list[LayerResult] = []
+    gen = torch.Generator().manual_seed(seed)
+    for L in ck.moe_layers:
+        res = LayerResult(L, ck.num_experts)
+        layers.append(res)
+        try:
+            experts = ck.layer_experts(L)
+        except ExpqError as e:
+            res.ok = res.structure_ok = False
+            res.problems.append(str(e))
+            _fail(problems, f"layer {L}: {e}")
+            continue
+        underflow_budget = _check_layer_codes(ck, L, experts, res, problems, underflow_budget)
+        src_w = None
+        if plan is not None:
+            src_w = _check_layer_bits(ck, plan, src_jobs_by_layer.get(L, []), L, res, problems)
+        _check_layer_kernel(ck, experts, res, problems, dev, act_dtype, tokens, gen, src_w,
+                            fused_moe_int8, moe_reference, moe_reference_dense)
+        res.ok = res.ok and not res.problems
+    checks.append(Check("experts: codes and scales", all(r.structure_ok for r in layers),
+                        next((p for r in layers for p in r.problems if "code" in p or "scale" in p), "")))
+    if plan is not None:
+        checks.append(Check("experts: bits equal re-quantized source",
+                            all(r.codes_differ == 0 and r.scales_differ == 0 for r in layers),
+                            next((p for r in layers for p in r.problems if "differ" in p), "")))
+        checks.append(Check("experts: row error within half a step", all(
+            r.max_row_error_steps is not None and r.max_row_error_steps <= 0.5 + 128 * UNIT_ROUNDOFF[ck.scale_dtype]
+            for r in layers), ""))
+    kernel_ok = all(r.kernel_rel_err is not None and r.experts_exercised == r.experts for r in layers) and all(
+        r.ok or not any("kernel" in p for p in r.problems) for r in layers)
+    checks.append(Check(f"kernel ({backend}) vs fp32 reference", kernel_ok and bool(layers),
+                        next((p for r in layers for p in r.problems if "kernel" in p), "")))
+    if plan is not None:
+        checks.append(Check("kernel vs source experts", all(
+            r.source_rel_err is not None and r.source_rel_err <= SOURCE_REL_TOL for r in layers),
+            next((p for r in layers for p in r.problems if "source experts" in p), "")))
+    ok = all(c.ok for c in checks) and all(r.ok for r in layers) and not problems and bool(layers)
+    n_mat = len(ck.modules)
+    verdict = (f"PASS: {len(layers)} MoE layers x {ck.num_experts} experts ({n_mat} matrices) verified"
+               f"{' bit for bit against ' + str(source) if source else ''}; kernel {backend} on {dev}"
+               if ok else f"FAIL: {problems[0] if problems else next(c.detail or c.name for c in checks if not c.ok)}")
+    return VerifyReport(out=str(out), source=str(source) if source else None, ok=ok, verdict=verdict,
+                        backend=backend, device=str(dev), activation_dtype=str(act_dtype).removeprefix("torch."),
+                        tokens=tokens, checks=checks, layers=layers, problems=problems,
+                        seconds=round(time.perf_counter() - t0, 3))
+
+
+# --- structure -----------------------------------------------------------------------------------------------------
+def _check_index(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    bad = []
+    for f in ck.missing_files:
+        bad.append(f"file {f}: listed in {INDEX_NAME} but missing")
+    if ck.weight_map is not None:
+        for name, f in ck.weight_map.items():
+            info = next((sh for sh in ck.shards.values() if any(t.name == name for t in sh.tensors)), None)
+            if f in ck.missing_files:
+                continue
+            if name not in {t.name for t in ck.shards[f].tensors}:
+                where = f" (it is in {info.file})" if info else ""
+                bad.append(f"tensor {name}: {INDEX_NAME} says {f} but the tensor is not there{where}")
+        indexed = set(ck.weight_map)
+        for sh in ck.shards.values():
+            for t in sh.tensors:
+                if t.name not in indexed:
+                    bad.append(f"tensor {t.name}: in {sh.file} but not in {INDEX_NAME}")
+                elif ck.weight_map[t.name] != sh.file:
+                    pass  # reported above from the index side
+        total = sum(t.nbytes for sh in ck.shards.values() for t in sh.tensors)
+        declared = (ck.index.get("metadata") or {}).get("total_size")
+        if declared != total:
+            bad.append(f"{INDEX_NAME}: total_size {declared} but the shards hold {total} bytes of tensors")
+    for b in bad:
+        _fail(problems, b)
+    return Check("index and shards agree", not bad, bad[0] if bad else f"{len(ck.shards)} shards")
+
+
+def _check_files_load(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    from safetensors import safe_open
+
+    for f in sorted(ck.shards):
+        try:
+            with safe_open(ck.root / f, "pt") as s:
+                for k in s.keys():
+                    s.get_slice(k)
+        except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+            msg = f"file {f}: safetensors cannot load it: {e}"
+            _fail(problems, msg)
+            return Check("files load with safetensors", False, msg)
+    return Check("files load with safetensors", True)
+
+
+def _check_quantization_config(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    qc = ck.quantization_config
+    bad = []
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+
+        parsed = QuantizationConfig.model_validate(qc)
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"quantization_config does not validate with compressed-tensors: {str(e).splitlines()[0]}")
+        parsed = None
+    if parsed is not None:
+        if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
+            bad.append(f"quantization_config: quant_method/format {qc.get('quant_method')}/{qc.get('format')}, "
+                       "expected compressed-tensors/pack-quantized")
+        if qc.get("quantization_status") != "compressed":
+            bad.append("quantization_config: quantization_status must be 'compressed'")
+        groups = list(parsed.config_groups.values())
+        want = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": -1}
+        targets: list[str] = []
+        for g in groups:
+            w = g.weights
+            got = {"num_bits": w.num_bits, "type": str(getattr(w.type, "value", w.type)), "symmetric": w.symmetric,
+                   "strategy": str(getattr(w.strategy, "value", w.strategy)), "group_size": w.group_size}
+            if got != want:
+                bad.append(f"quantization_config weights {got}, expected {want}")
+            if g.input_activations is not None:
+                bad.append("quantization_config quantizes activations; experts_int8 is weight-only (W8A16)")
+            targets += list(g.targets)
+        ignore = list(parsed.ignore or [])
+        quantized = set(ck.modules.values())
+        all_modules = {n.rsplit(".", 1)[0] for n, t in ck.tensors.items()
+                       if (n.endswith(".weight") and len(t.shape) == 2) or n.endswith(".weight_packed")}
+        matched = {m for m in all_modules if ct.module_matches(m, targets, ignore)}
+        extra = sorted(matched - quantized)
+        unmatched = sorted(quantized - matched)
+        if extra:
+            bad.append(f"quantization_config targets match {len(extra)} modules that are not quantized, e.g. "
+                       f"{extra[0]}")
+        if unmatched:
+            bad.append(f"quantization_config targets miss {len(unmatched)} quantized modules, e.g. {unmatched[0]}")
+    for b in bad:
+        _fail(problems, b)
+    return Check("quantization_config", not bad, bad[0] if bad else "")
+
+
+def _check_modules_present(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    bad = []
+    exp = ck.expected_modules()
+    dt = ck.scale_dtype
+    H, I = ck.hidden_size, ck.intermediate_size
+    for key, module in exp.items():
+        L, e, p = key
+        rows, cols = (I, H) if p != "down" else (H, I)
+        for suffix, want_dtype, want_shape in (
+                ("weight_packed", "I32", None if rows is None or cols is None else [rows, math.ceil(cols / 4)]),
+                ("weight_scale", None, None if rows is None else [rows, 1]), ("weight_shape", "I64", [2])):
+            name = f"{module}.{suffix}"
+            t = ck.tensors.get(name)
+            if t is None:
+                bad.append(f"layer {L} expert {e} {p}: tensor {name} missing")
+                continue
+            if want_dtype and t.dtype != want_dtype:
+                bad.append(f"layer {L} expert {e} {p}: tensor {name} is {t.dtype}, expected {want_dtype}")
+            if suffix == "weight_scale" and TORCH_DTYPES.get(t.dtype) != dt:
+                bad.append(f"layer {L} expert {e} {p}: tensor {name} is {t.dtype}, expected the compute dtype {dt}")
+            if want_shape and list(t.shape) != want_shape:
+                bad.append(f"layer {L} expert {e} {p}: tensor {name} has shape {list(t.shape)}, "
+                           f"expected {want_shape}")
+    extra = sorted(set(ck.modules) - set(exp))
+    for key in extra:
+        bad.append(f"layer {key[0]} expert {key[1]} {key[2]}: quantized module {ck.modules[key]} is not a routed "
+                   "expert the config describes")
+    for b in bad:
+        _fail(problems, b)
+    n = len(ck.moe_layers) * ck.num_experts * 3
+    return Check("every routed expert present (dtypes, shapes)", not bad,
+                 bad[0] if bad else f"{n} matrices = {len(ck.moe_layers)} layers x {ck.num_experts} experts x 3")
+
+
+def _check_layer_codes(ck: ConvertedCheckpoint, L: int, ex: LayerExperts, res: LayerResult, problems: list[str],
+                       underflow_budget: int) -> int:
+    """Codes in range, scales finite/positive, each row's largest code 126 or 127 (or a zero / underflow row)."""
+    I = ex.w2.shape[2]
+    tiny = torch.finfo(ex.scale_dtype).tiny
+    for name, codes, scales in (("w13", ex.w13, ex.w13_scale), ("w2", ex.w2, ex.w2_scale)):
+        for e in range(codes.shape[0]):
+            c, s = codes[e], scales[e]
+            proj = (lambda r: ("gate", r) if r < I else ("up", r - I)) if name == "w13" else (lambda r: ("down", r))
+            msg = None
+            if (c == -128).any():
+                r = int(torch.nonzero((c == -128).any(dim=1))[0])
+                msg = f"code -128 outside [-127, 127]"
+            elif not torch.isfinite(s).all() or (s < 0).any():
+                r = int(torch.nonzero(~torch.isfinite(s) | (s < 0))[0])
+                msg = f"scale {s[r].item()} is not finite and positive"
+            else:
+                cmax = c.abs().amax(dim=1)
+                zero = s == 0
+                bad_zero = zero & (cmax != 0)
+                weak = (s >= tiny) & (cmax < 126)
+                n_bad_zero = int(bad_zero.sum())
+                if n_bad_zero and n_bad_zero <= underflow_budget:
+                    underflow_budget -= n_bad_zero  # rows the manifest lists as underflowed: scale 0, codes +-127
+                    bad_zero = torch.zeros_like(bad_zero)
+                if bad_zero.any():
+                    r = int(torch.nonzero(bad_zero)[0])
+                    msg = "scale 0 but codes are not all 0 (not a zero row)"
+                elif weak.any():
+                    r = int(torch.nonzero(weak)[0])
+                    msg = (f"largest code is {int(cmax[r])} with scale {s[r].item():.3g}: the scheme maps each row's "
+                           "absmax to 126/127, so these codes or this scale are wrong")
+            if msg:
+                p, row = proj(r)
+                module = ck.modules.get((L, e, p), "?")
+                full = f"layer {L} expert {e} {p} row {row} ({module}): {msg}"
+                res.problems.append(full)
+                res.structure_ok = res.ok = False
+                _fail(problems, full)
+    return underflow_budget
+
+
+# --- against the source --------------------------------------------------------------------------------------------
+def _check_passthrough(ck: ConvertedCheckpoint, plan, problems: list[str]) -> Check:
+    bad = []
+    n = 0
+    for j in plan.jobs:
+        if j.kind != "copy":
+            continue
+        n += 1
+        s = j.source
+        o = ck.tensors.get(s.name)
+        if o is None:
+            bad.append(f"tensor {s.name}: in the source but not in the output")
+            continue
+        if (o.dtype, o.shape) != (s.dtype, s.shape):
+            bad.append(f"tensor {s.name}: {o.dtype}{list(o.shape)} in the output, {s.dtype}{list(s.shape)} in the "
+                       "source")
+            continue
+        if not _same_bytes(plan.source.root / s.file, s.start, ck.root / o.file, o.start, s.nbytes):
+            bad.append(f"tensor {s.name}: bytes differ from the source ({o.file})")
+    for b in bad:
+        _fail(problems, b)
+    return Check("other tensors byte-identical to the source", not bad, bad[0] if bad else f"{n} tensors")
+
+
+def _same_bytes(a: Path, a0: int, b: Path, b0: int, n: int, chunk: int = 64 << 20) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(a0)
+        fb.seek(b0)
+        while n:
+            k = min(chunk, n)
+            if fa.read(k) != fb.read(k):
+                return False
+            n -= k
+    return True
+
+
+def _check_layer_bits(ck: ConvertedCheckpoint, plan, jobs: list, L: int, res: LayerResult,
+                      problems: list[str]) -> dict:
+    """Re-quantize the source matrices of layer L and compare; returns (expert, proj) -> source matrix (fp32)."""
+    from .pipeline import _matrix_rows
+    from .scheme import dequantize_rows, quantize_rows
+    from .source import read_tensor
+
+    src_w: dict[tuple[int, str], torch.Tensor] = {}
+    codes_diff = scales_diff = 0
+    worst = 0.0
+    u = UNIT_ROUNDOFF[plan.compute_dtype]
+    for j in jobs:
+        w = _matrix_rows(j, read_tensor(plan.source.root, j.source).to(plan.compute_dtype)).contiguous()
+        ref_codes, ref_scales = quantize_rows(w)
+        rows = j.matrices[0].rows
+        for i, m in enumerate(j.matrices):
+            sl = slice(i * rows, (i + 1) * rows)
+            module = ck.modules.get((m.layer, m.expert, m.proj))
+            if module is None:
+                continue  # reported by the structure check
+            try:
+                codes, scales = ck.module_codes(module)
+            except ExpqError as e:
+                res.problems.append(str(e))
+                continue
+            if codes.shape != ref_codes[sl].shape:
+                res.problems.append(f"layer {L} expert {m.expert} {m.proj} ({module}): shape {list(codes.shape)}, "
+                                    f"source matrix {list(ref_codes[sl].shape)}")
+                continue
+            dc = int((codes != ref_codes[sl]).sum())
+            ds = int((scales.to(ref_scales.dtype) != ref_scales[sl]).sum()) if scales.dtype == ref_scales.dtype \
+                else rows
+            codes_diff += dc
+            scales_diff += ds
+            if dc or ds:
+                msg = (f"layer {L} expert {m.expert} {m.proj} ({module}): {dc} codes and {ds} scales differ from "
+                       f"re-quantizing {j.source.name}")
+                res.problems.append(msg)
+                _fail(problems, msg)
+            wm = w[sl].float()
+            s = scales.float().clamp_min(torch.finfo(torch.float32).tiny)
+            err = ((dequantize_rows(codes, scales) - wm).abs().amax(dim=1) / s)
+            live = scales.float() > 0
+            if live.any():
+                worst = max(worst, float(err[live].max()))
+            src_w[(m.expert, m.proj)] = wm
+    res.codes_differ, res.scales_differ = codes_diff, scales_diff
+    res.max_row_error_steps = round(worst, 4)
+    if worst > 0.5 + 128 * u:
+        msg = f"layer {L}: a row's dequantization error is {worst:.3f} steps (> half a step + rounding)"
+        res.problems.append(msg)
+        _fail(problems, msg)
+    return src_w
+
+
+# --- kernel --------------------------------------------------------------------------------------------------------
+def forced_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor, int]:
+    """Top-k ids that give every expert tokens (round-robin over a random permutation, distinct within a token) and
+    positive weights summing to 1 per token. Returns (ids int32 [T, k], weights fp32 [T, k], T)."""
+    T = max(tokens, math.ceil(num_experts / top_k))
+    perm = torch.randperm(num_experts, generator=gen)
+    slots = torch.arange(T * top_k) % num_experts
+    ids = perm[slots].view(T, top_k)
+    # make ids distinct within each token where possible (top_k <= E)
+    for k in range(1, top_k):
+        ids[:, k] = perm[(slots.view(T, top_k)[:, 0] + k) % num_experts]
+    w = torch.rand(T, top_k, generator=gen) + 0.1
+    return ids.to(torch.int32), (w / w.sum(dim=1, keepdim=True)).float(), T
+
+
+def _check_layer_kernel(ck, ex: LayerExperts, res: LayerResult, problems: list[str], dev: torch.device,
+                        act_dtype: torch.dtype, tokens: int, gen: torch.Generator, src_w: dict | None,
+                        fused_moe_int8, moe_reference, moe_reference_dense) -> None:
+    E, I, H = ex.w2.shape[0], ex.w2.shape[2], ex.w2.shape[1]
+    on_input = ck.layout.router_weight_on_input
+    top_k = 1 if on_input else max(1, min(ck.top_k or 2, E))
+    ids, weights, T = forced_routing(tokens, E, top_k, gen)
+    x = (torch.randn(T, H, generator=gen) * 1.0).to(act_dtype)
+    kw = dict(activation=ck.layout.activation, w13_bias=ex.w13_bias, w2_bias=ex.w2_bias,
+              apply_router_weight_on_input=on_input)
+    if ex.w13.dtype != torch.int8 or ex.w2.dtype != torch.int8:  # never pass without the int8 path
+        res.problems.append(f"layer {res.layer}: kernel input is not int8")
+        return
+    mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    try:
+        out = fused_moe_int8(x.to(dev), ex.w13.to(dev), ex.w2.to(dev), ex.w13_scale.to(dev), ex.w2_scale.to(dev),
+                             weights.to(dev), ids.to(dev), **{**kw, "w13_bias": mv(ex.w13_bias),
+                                                              "w2_bias": mv(ex.w2_bias)}).float().cpu()
+    except Exception as e:  # noqa: BLE001 - a kernel failure is a failed check
+        msg = f"layer {res.layer}: kernel failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        res.problems.append(msg)
+        _fail(problems, msg)
+        return
+    res.experts_exercised = int(torch.unique(ids).numel())
+    ref = moe_reference(x, ex.w13, ex.w2, ex.w13_scale, ex.w2_scale, weights, ids, **kw)
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    tok = float(((out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).max())
+    res.kernel_rel_err, res.kernel_worst_token_err = round(rel, 6), round(tok, 6)
+    if not (rel <= KERNEL_REL_TOL[act_dtype] and tok <= KERNEL_TOKEN_TOL[act_dtype]):
+        msg = (f"layer {res.layer}: kernel output differs from the fp32 reference: {rel:.2e} relative "
+               f"(worst token {tok:.2e}; limits {KERNEL_REL_TOL[act_dtype]:.0e} / {KERNEL_TOKEN_TOL[act_dtype]:.0e})")
+        res.problems.append(msg)
+        _fail(problems, msg)
+    if src_w is not None and len(src_w) == 3 * E:
+        w13 = torch.stack([torch.cat([src_w[(e, "gate")], src_w[(e, "up")]]) for e in range(E)])
+        w2 = torch.stack([src_w[(e, "down")] for e in range(E)])
+        src_ref = moe_reference_dense(x, w13, w2, weights, ids, **kw)
+        srel = float((out - src_ref).norm() / src_ref.norm().clamp_min(1e-30))
+        res.source_rel_err = round(srel, 6)
+        if srel > SOURCE_REL_TOL:
+            worst_e = _worst_expert(out, src_ref, ids)
+            msg = (f"layer {res.layer}: kernel output differs from the source experts by {srel:.2e} relative "
+                   f"(limit {SOURCE_REL_TOL:.0e}; worst tokens go to expert {worst_e})")
+            res.problems.append(msg)
+            _fail(problems, msg)
+
+
+def _worst_expert(out: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> int:
+    err = (out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+    t = int(err.argmax())
+    return int(ids[t, 0])

@@ -1,0 +1,163 @@
+"""GPU tests of expq.kernels: the compiled Triton kernels in bf16 and fp16 at real-ish sizes.
+
+Run on a CUDA machine from the repo root:  python3 -m pytest -q -m gpu tests/test_kernels_gpu.py
+Skipped without CUDA.
+
+Error measures and bounds as in tests/test_kernels.py (see its docstring for the argument): against the fp32
+``moe_reference``, rel = ||out - ref|| / ||ref|| <= 8u and worst token <= 16u, with u the unit roundoff of the
+activation dtype (bf16 2^-8, fp16 2^-11): the kernel path rounds to that dtype four times and computes everything
+else in fp32, so ~1u is expected. Triton against the torch backend: both round at the same four points and differ
+only by fp32 accumulation order, which flips a rounding only rarely: bound 2u.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from expq.kernels import ACTIVATIONS, fused_moe_int8, moe_reference, select_backend
+from expq.kernels import moe as moe_mod
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+REL_BOUND = {dt: 8 * u for dt, u in UNIT_ROUNDOFF.items()}
+TOKEN_BOUND = {dt: 16 * u for dt, u in UNIT_ROUNDOFF.items()}
+PAIR_BOUND = {dt: 2 * u for dt, u in UNIT_ROUNDOFF.items()}  # triton vs torch backend
+
+
+def make_problem(e, h, i, t, top_k, dtype, *, seed=0, bias=False, routing="random", w13_gain=1.0):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(t, h, generator=g, device=dev).to(dtype)
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g, device=dev)
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g, device=dev)
+    w13_scale = (torch.rand(e, 2 * i, generator=g, device=dev) + 0.5) * (w13_gain * math.sqrt(3) / (127 * math.sqrt(h)))
+    w2_scale = (torch.rand(e, h, generator=g, device=dev) + 0.5) * (math.sqrt(3) / (127 * math.sqrt(i)))
+    if routing == "random":
+        logits = torch.randn(t, e, generator=g, device=dev)
+        topk_weights, topk_ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    else:  # "all": pair p to expert p % e
+        topk_ids = (torch.arange(t * top_k, device=dev) % e).reshape(t, top_k)
+        topk_weights = torch.rand(t, top_k, generator=g, device=dev) + 0.1
+    kwargs = {}
+    if bias:
+        kwargs["w13_bias"] = (torch.randn(e, 2 * i, generator=g, device=dev) * 0.5).to(dtype)
+        kwargs["w2_bias"] = torch.randn(e, h, generator=g, device=dev) * 0.5
+    return (x, w13, w2, w13_scale, w2_scale, topk_weights.float(), topk_ids.to(torch.int32)), kwargs
+
+
+def errors(out, ref):
+    assert out.shape == ref.shape
+    diff = out.float() - ref
+    ref_norm = ref.norm(dim=1)
+    live = ref_norm > 0
+    return (diff.norm() / ref.norm()).item(), (diff.norm(dim=1)[live] / ref_norm[live]).max().item()
+
+
+def check(out, ref, dtype, what):
+    rel, token = errors(out, ref)
+    assert math.isfinite(rel) and rel <= REL_BOUND[dtype], f"{what}: rel {rel:.3e} > {REL_BOUND[dtype]:.3e}"
+    assert token <= TOKEN_BOUND[dtype], f"{what}: worst token {token:.3e} > {TOKEN_BOUND[dtype]:.3e}"
+    return rel
+
+
+def test_backend_is_triton_on_cuda():
+    assert select_backend("cuda") == "triton"
+
+
+# Mixtral-like E=8 top_k=2 (pairs per expert 0.25, 1.75, 16, 25, 50, 128: both rows of the block-size table, and
+# each side of its 16-pair edge), and Qwen3-30B-A3B-like E=64 top_k=8 (T=1 takes the unsorted sparse path).
+CASES = [(8, 4096, 1024, 2, t) for t in (1, 7, 64, 100, 200, 512)] + [(64, 2048, 768, 8, t) for t in (1, 33, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("e,h,i,top_k,t", CASES, ids=[f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}" for c in CASES])
+def test_triton_vs_reference_and_torch(e, h, i, top_k, t, dtype):
+    args, kwargs = make_problem(e, h, i, t, top_k, dtype, seed=t + e)
+    out = fused_moe_int8(*args, **kwargs)
+    assert out.dtype == dtype and out.shape == (t, h) and out.is_cuda
+    ref = moe_reference(*args, **kwargs)
+    rel = check(out, ref, dtype, "triton")
+    assert rel > 0.05 * UNIT_ROUNDOFF[dtype]  # the output really went through the activation dtype
+    out_torch = fused_moe_int8(*args, **kwargs, backend="torch")
+    check(out_torch, ref, dtype, "torch")
+    pair = errors(out, out_torch.float())[0]
+    assert pair <= PAIR_BOUND[dtype], f"triton vs torch backend: {pair:.3e} > {PAIR_BOUND[dtype]:.3e}"
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations_with_bias(activation):
+    dtype = torch.bfloat16
+    args, kwargs = make_problem(8, 1024, 512, 64, 2, dtype, seed=3, bias=True,
+                                w13_gain=4.0 if activation == "swigluoai" else 1.0)
+    ref = moe_reference(*args, **kwargs, activation=activation)
+    out = fused_moe_int8(*args, **kwargs, activation=activation)
+    check(out, ref, dtype, activation)
+    check(fused_moe_int8(*args, **kwargs, activation=activation, backend="torch"), ref, dtype, f"torch {activation}")
+    other = "gelu" if activation == "silu" else "silu"
+    assert errors(out, moe_reference(*args, **kwargs, activation=other))[0] > 3 * REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_odd_sizes_gpt_oss_like(dtype):
+    # GPT-OSS: H = I = 2880 (not a multiple of 64/128), biases, swigluoai, top_k 4; plus an odd small shape.
+    for e, h, i, top_k, t in ((32, 2880, 2880, 4, 77), (5, 1000, 300, 2, 129)):
+        args, kwargs = make_problem(e, h, i, t, top_k, dtype, seed=h, bias=True, w13_gain=3.0)
+        ref = moe_reference(*args, **kwargs, activation="swigluoai")
+        check(fused_moe_int8(*args, **kwargs, activation="swigluoai"), ref, dtype, f"E{e} H{h} I{i}")
+
+
+def test_router_weight_on_input_llama4_like():
+    dtype = torch.bfloat16
+    args, kwargs = make_problem(16, 2048, 1024, 64, 1, dtype, seed=5)
+    ref = moe_reference(*args, apply_router_weight_on_input=True)
+    out = fused_moe_int8(*args, apply_router_weight_on_input=True)
+    check(out, ref, dtype, "on-input")
+    check(fused_moe_int8(*args, apply_router_weight_on_input=True, backend="torch"), ref, dtype, "torch on-input")
+    assert errors(out, moe_reference(*args))[0] > 5 * REL_BOUND[dtype]
+
+
+def test_every_expert_duplicates_and_empty():
+    dtype = torch.bfloat16
+    args, kwargs = make_problem(8, 2048, 512, 300, 2, dtype, seed=6, routing="all", bias=True)
+    check(fused_moe_int8(*args, **kwargs), moe_reference(*args, **kwargs), dtype, "all experts")
+    x, w13, w2, s13, s2, tw, _ = args
+    ti = torch.full_like(args[6], 5)  # every pair on expert 5, each token twice
+    dup = (x, w13, w2, s13, s2, tw, ti)
+    check(fused_moe_int8(*dup), moe_reference(*dup), dtype, "duplicates")
+
+
+def test_negative_control_doubled_scale():
+    dtype = torch.bfloat16
+    args, kwargs = make_problem(8, 4096, 1024, 64, 2, dtype, seed=7)
+    ref = moe_reference(*args, **kwargs)
+    bad = list(args)
+    bad[4] = args[4].clone()
+    bad[4][int(args[6][0, 0])] *= 2
+    rel, token = errors(fused_moe_int8(*bad, **kwargs), ref)
+    assert rel > 3 * REL_BOUND[dtype] and token > TOKEN_BOUND[dtype]
+
+
+def test_zero_tokens_and_determinism():
+    dtype = torch.bfloat16
+    args, kwargs = make_problem(8, 1024, 512, 0, 2, dtype)
+    assert fused_moe_int8(*args, **kwargs).shape == (0, 1024)
+    args, kwargs = make_problem(8, 1024, 512, 333, 2, dtype, seed=8, bias=True)
+    a = fused_moe_int8(*args, **kwargs)
+    b = fused_moe_int8(*args, **kwargs)
+    assert torch.equal(a, b)
+
+
+def test_align_on_gpu_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    topk_ids = torch.randint(0, 64, (257, 8), generator=g)
+    cpu = moe_mod.moe_align_block_size(topk_ids, 16, 64)
+    gpu = moe_mod.moe_align_block_size(topk_ids.cuda(), 16, 64)
+    for c, d in zip(cpu, gpu):
+        assert torch.equal(c, d.cpu())
