@@ -16,10 +16,13 @@ group_size: -1, dynamic: false}``: vLLM 0.24-0.28 assert ``group_size == -1`` fo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
+import sys
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -38,6 +41,31 @@ def tensor_specs(module: str, rows: int, cols: int, compute_dtype: torch.dtype) 
     ]
 
 
+@cache
+def packing_functions():
+    """compressed-tensors' own ``(pack_to_int32, unpack_from_int32)``.
+
+    The library's package import pulls in transformers (about 2 s); its packing helpers need only torch. Where the
+    package is not imported yet, the helpers module is loaded from the installed library by its file path, so a
+    conversion does not pay for transformers on its hot path; it is the library's code either way.
+    """
+    if "compressed_tensors" not in sys.modules:
+        spec = importlib.util.find_spec("compressed_tensors")
+        if spec is not None and spec.submodule_search_locations:
+            path = Path(spec.submodule_search_locations[0]) / "compressors" / "pack_quantized" / "helpers.py"
+            if path.is_file():
+                mspec = importlib.util.spec_from_file_location("_expq_compressed_tensors_pack_helpers", path)
+                mod = importlib.util.module_from_spec(mspec)
+                mspec.loader.exec_module(mod)
+                return mod.pack_to_int32, mod.unpack_from_int32
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    except ImportError:  # compressed-tensors < 0.19 kept them here
+        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (  # type: ignore
+            pack_to_int32, unpack_from_int32)
+    return pack_to_int32, unpack_from_int32
+
+
 def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
     """Turn int8 codes [rows, in] and scales [rows] (compute dtype) into the format's tensors, in
     ``tensor_specs`` order, for a batch of matrices stacked by rows (packing is per row, so a batch packs as one).
@@ -46,8 +74,7 @@ def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
         [weight_packed int32 [rows, ceil(in/4)], weight_scale [rows, 1], weight_shape int64 [2]] (on codes' device;
         ``weight_shape`` is (rows, in) of the whole batch: callers slice per matrix and rebuild it).
     """
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
+    pack_to_int32, _ = packing_functions()
     packed = pack_to_int32(codes, 8)
     return [packed, scales.unsqueeze(1), torch.tensor(list(codes.shape), dtype=torch.int64)]
 
@@ -58,8 +85,7 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> tu
     Raises:
         ValueError: the tensors do not fit together (shape, dtype).
     """
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
+    _, unpack_from_int32 = packing_functions()
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
     if shape.numel() != 2:
