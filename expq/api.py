@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,11 +124,8 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
     if on_plan:
         on_plan(plan)
     shards = ShardSet(plan, outdir, fsync=fsync)
-    warm = threading.Thread(target=_import_config_classes, daemon=True)  # ~2 s of imports, overlapped with the work
-    warm.start()
     try:
         stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress)
-        warm.join()
         cmd = _command(plan, dtype, allow_nonfinite, layout is not None)
         _write_side_files(plan, source, outdir, stats, allow_nonfinite, cmd)
         outdir.commit()
@@ -149,14 +145,6 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
         underflow_rows=stats.underflow_rows, nonfinite_rows=stats.nonfinite_rows,
         underflow_examples=[str(n) for n in stats.underflow_examples],
         nonfinite_examples=[str(n) for n in stats.nonfinite_examples])
-
-
-def _import_config_classes() -> None:
-    try:
-        import compressed_tensors.compressors  # noqa: F401
-        import compressed_tensors.quantization  # noqa: F401
-    except Exception:  # noqa: BLE001 - the real import later reports any problem
-        pass
 
 
 def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:

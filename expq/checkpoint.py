@@ -175,20 +175,37 @@ class ConvertedCheckpoint:
             SourceError / LayoutError: a module is missing or shapes disagree (names the module).
         """
         E = self.num_experts
-        gate, up, down, sg, su, sd = [], [], [], [], [], []
-        for e in range(E):
-            for p, codes_l, scales_l in (("gate", gate, sg), ("up", up, su), ("down", down, sd)):
+        w13 = w2 = w13_scale = w2_scale = None
+        scale_dtype = None
+        for e in range(E):  # decoded straight into the layer's tensors: no per-expert lists, no stacking copies
+            for p in PROJ:
                 module = self.modules.get((layer, e, p))
                 if module is None:
                     raise LayoutError(f"layer {layer}: {p} projection missing",
                                       expert=e, tensor=self.layout.out_module_name(self.prefix, layer, e, p))
                 c, s = self.module_codes(module)
-                codes_l.append(c)
-                scales_l.append(s)
-        w13 = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
-        w13_scale = torch.cat([torch.stack(sg), torch.stack(su)], dim=1).float()
-        res = LayerExperts(layer, w13, torch.stack(down), w13_scale, torch.stack(sd).float(),
-                           scale_dtype=sg[0].dtype)
+                if w13 is None and p == "gate":
+                    I, H = c.shape
+                    w13 = torch.empty(E, 2 * I, H, dtype=torch.int8)
+                    w2 = torch.empty(E, H, I, dtype=torch.int8)
+                    w13_scale = torch.empty(E, 2 * I, dtype=torch.float32)
+                    w2_scale = torch.empty(E, H, dtype=torch.float32)
+                    scale_dtype = s.dtype
+                if w13 is None:
+                    raise LayoutError(f"layer {layer}: gate projection must come first", expert=e, tensor=module)
+                I = w13.shape[1] // 2
+                want = (H, I) if p == "down" else (I, w13.shape[2])
+                if tuple(c.shape) != want:
+                    raise LayoutError(f"layer {layer}: {p} has shape {list(c.shape)}, expected {list(want)}",
+                                      expert=e, tensor=module)
+                if p == "down":
+                    w2[e].copy_(c)
+                    w2_scale[e].copy_(s)
+                else:
+                    rows = slice(0, I) if p == "gate" else slice(I, 2 * I)
+                    w13[e, rows].copy_(c)
+                    w13_scale[e, rows].copy_(s)
+        res = LayerExperts(layer, w13, w2, w13_scale, w2_scale, scale_dtype=scale_dtype)
         if self.layout.expert_biases:
             res.w13_bias, res.w2_bias = self._biases(layer)
         return res

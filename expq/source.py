@@ -300,15 +300,28 @@ def read_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
 
 
 def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:
-    """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory).
+    """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory): in the
+    kernel with ``copy_file_range`` where the OS allows it, else by ``pread``/``pwrite`` in 64 MiB chunks.
 
     Raises:
         SourceError: the source came back short.
     """
     with open(src_root / info.file, "rb", buffering=0) as f:
+        fd = f.fileno()
         pos, left = info.start, info.nbytes
+        if hasattr(os, "copy_file_range"):
+            try:
+                while left:
+                    n = os.copy_file_range(fd, dst_fd, min(left, 1 << 30), pos, dst_offset + (pos - info.start))
+                    if n == 0:
+                        raise SourceError("short read: file changed or truncated", file=info.file, tensor=info.name)
+                    pos += n
+                    left -= n
+                return
+            except OSError:  # another filesystem, or not supported: fall back to plain reads and writes
+                pass
         while left:
-            data = os.pread(f.fileno(), min(chunk, left), pos)
+            data = os.pread(fd, min(chunk, left), pos)
             if not data:
                 raise SourceError("short read: file changed or truncated", file=info.file, tensor=info.name)
             os.pwrite(dst_fd, data, dst_offset + (pos - info.start))
