@@ -18,7 +18,6 @@ import torch
 from .errors import LayoutError, SourceError
 from .formats import compressed_tensors as ct
 from .layouts import Layout, builtin_layouts, config_lookup, detect_layout, moe_layer_indices
-from .plan import _config_dtype  # noqa: F401 - re-exported for callers that need the config's dtype
 from .source import INDEX_NAME, SINGLE_NAME, Shard, TensorInfo, read_header, read_tensor
 from .writer import MANIFEST
 

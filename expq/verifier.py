@@ -148,7 +148,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
                 src_jobs_by_layer.setdefault(j.matrices[0].layer, []).append(j)
         checks.append(_check_passthrough(ck, plan, problems))
 
-    act_dtype = ck.scale_dtype if dev.type == "cuda" or ck.scale_dtype != torch.float16 else ck.scale_dtype
+    act_dtype = ck.scale_dtype  # activations in the compute dtype, as vLLM serves the model
     backend = select_backend(dev)
     underflow_budget = int(ck.manifest.get("rows", {}).get("underflow", 0))
     layers: list[LayerResult] = []
