@@ -213,18 +213,22 @@ def verify(
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
-        t = Table(title=f"expq verify {report.out}", title_justify="left")
-        for col in ("layer", "experts", "structure", "bits vs source", "max row err (steps)", "kernel rel err",
-                    "worst token", "vs source", "result"):
-            t.add_column(col)
+        from rich import box
+
+        t = Table(title=f"expq verify {report.out}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1))
+        for col in ("layer", "experts", "struct", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
+            t.add_column(col, no_wrap=True, min_width=len(col))
+        fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
         for r in report.layers:
             bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
-                                                       f"{r.codes_differ} codes, {r.scales_differ} scales differ")
-            fmt = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
+                                                       f"{r.codes_differ}c/{r.scales_differ}s differ")
             t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", "ok" if r.structure_ok else "FAIL", bits,
-                      "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.3f}",
+                      "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
                       fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err),
                       "[green]pass[/]" if r.ok else "[red]FAIL[/]")
+        t.caption = ("row err: worst |w - q*s| in steps of s (bf16 allows 0.75: w/s is rounded to bf16 before round());"
+                     " kernel / worst tok: relative error against the fp32 reference; vs src: against the source")
         out.print(t)
         c = Table("check", "result", "detail", title="checks", title_justify="left")
         for ch in report.checks:
@@ -281,6 +285,7 @@ def run(
               f"rest {_human(nb['other'])}, on {dev}", highlight=False)
     if tok is not None:
         out.print(prompt + tok.decode(new, skip_special_tokens=True), highlight=False)
+        err.print(f"token ids: {new}", highlight=False)
     else:
         out.print(" ".join(str(t) for t in new), highlight=False)
 

@@ -176,7 +176,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         checks.append(Check("experts: bits equal re-quantized source",
                             all(r.codes_differ == 0 and r.scales_differ == 0 for r in layers),
                             next((p for r in layers for p in r.problems if "differ" in p), "")))
-        checks.append(Check("experts: row error within half a step", all(
+        checks.append(Check("experts: row error within half a step (+ w/scale rounding)", all(
             r.max_row_error_steps is not None and r.max_row_error_steps <= 0.5 + 128 * UNIT_ROUNDOFF[ck.scale_dtype]
             for r in layers), ""))
     kernel_ok = all(r.kernel_rel_err is not None and r.experts_exercised == r.experts for r in layers) and all(
