@@ -219,5 +219,6 @@ def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunS
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
     qc = ct.quantization_config(plan.targets, plan.ignore)
-    outdir.write_text(MANIFEST, json.dumps(manifest(plan, stats, allow_nonfinite, command), indent=2, default=str) + "\n")
+    man = manifest(plan, stats, allow_nonfinite, command)
+    outdir.write_text(MANIFEST, json.dumps(man, indent=2, default=str) + "\n")
     outdir.write_text("config.json", config_json(source.config, qc))

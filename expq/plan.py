@@ -275,7 +275,8 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         if missing:
             parts.append(f"config says layers {missing} are MoE but they have no routed experts")
         if unexpected:
-            parts.append(f"layers {unexpected} have routed experts but the config ({', '.join(lay.moe_layer_rules) or 'every layer MoE'}) says dense")
+            rules = ", ".join(lay.moe_layer_rules) or "every layer MoE"
+            parts.append(f"layers {unexpected} have routed experts but the config ({rules}) says dense")
         raise LayoutError("; ".join(parts), file="config.json")
     dense_layers = [L for L in range(num_layers) if L not in got_moe]
 
@@ -363,7 +364,8 @@ def _plan_per_expert(lay: Layout, prefix: str, L: int, entries: list, E: int, H:
             want = (I, H) if p != "down" else (H, I)
             _check_shape(ti, ti.shape, want, "[intermediate, hidden]" if p != "down" else "[hidden, intermediate]")
             rows, cols = ti.shape
-            jobs[ti.name] = Job("quantize", ti, [], [Matrix(L, e, p, lay.out_module_name(prefix, L, e, p), rows, cols)])
+            mat = Matrix(L, e, p, lay.out_module_name(prefix, L, e, p), rows, cols)
+            jobs[ti.name] = Job("quantize", ti, [], [mat])
         # shapes of gate and up must agree, and down must be their transpose
         g, u, d = (seen[e][p].shape for p in PROJECTIONS)
         if g != u or d != (g[1], g[0]):

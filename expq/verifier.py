@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts
-from .errors import ExpqError, SourceError, UsageError
+from .errors import ExpqError, UsageError
 from .formats import compressed_tensors as ct
 from .source import INDEX_NAME, TORCH_DTYPES
 
@@ -333,7 +333,7 @@ def _check_layer_codes(ck: ConvertedCheckpoint, L: int, ex: LayerExperts, res: L
             msg = None
             if (c == -128).any():
                 r = int(torch.nonzero((c == -128).any(dim=1))[0])
-                msg = f"code -128 outside [-127, 127]"
+                msg = "code -128 outside [-127, 127]"
             elif not torch.isfinite(s).all() or (s < 0).any():
                 r = int(torch.nonzero(~torch.isfinite(s) | (s < 0))[0])
                 msg = f"scale {s[r].item()} is not finite and positive"
@@ -473,7 +473,7 @@ def forced_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generat
 def _check_layer_kernel(ck, ex: LayerExperts, res: LayerResult, problems: list[str], dev: torch.device,
                         act_dtype: torch.dtype, tokens: int, gen: torch.Generator, src_w: dict | None,
                         fused_moe_int8, moe_reference, moe_reference_dense) -> None:
-    E, I, H = ex.w2.shape[0], ex.w2.shape[2], ex.w2.shape[1]
+    E, H = ex.w2.shape[0], ex.w2.shape[1]
     on_input = ck.layout.router_weight_on_input
     top_k = 1 if on_input else max(1, min(ck.top_k or 2, E))
     ids, weights, T = forced_routing(tokens, E, top_k, gen)

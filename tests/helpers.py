@@ -155,5 +155,64 @@ def model_expert_matrices(family: str, model) -> dict[tuple[int, int, str], torc
     return out
 
 
+def converted_factory(tmp_path_factory: pytest.TempPathFactory, tag: str, **convert_kw):
+    """A function family -> (src, out) that converts each fixture once (cached per test module)."""
+    import expq
+
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str):
+        if family not in done:
+            src = example(tmp_path_factory, family)
+            out = tmp_path_factory.mktemp(f"{tag}-{family}") / "out"
+            expq.convert(src, out, **{"device": "cpu", **convert_kw})
+            done[family] = (src, out)
+        return done[family]
+
+    return get
+
+
+def load_hf(path, **kw):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as tlog
+
+    tlog.set_verbosity_error()
+    return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def dequantized_reference(family, src, out):
+    """The source model with its experts replaced by the checkpoint's dequantized weights (transformers' own
+    modules): what stock transformers gives where it can load the format, built here for every family."""
+    model = load_hf(src)
+    got = decode_output(out)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            m = re.search(r"(?:layers|blocks)\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts$", name)
+            if not m:
+                continue
+            L = int(m[1])
+            deq = {k[1:]: (c.float() * s.float()[:, None]) for k, (c, s, _) in got.items() if k[0] == L}
+            if family == "dbrx":
+                E = len({e for e, _ in deq})
+                for attr, p, tr in (("w1", "gate", False), ("v1", "up", False), ("w2", "down", True)):
+                    w = getattr(mod.mlp, attr)
+                    blocks = [deq[(e, p)].T if tr else deq[(e, p)] for e in range(E)]
+                    w.copy_(torch.cat(blocks).to(w.dtype))
+                continue
+            gu_attr, gu_or, order, d_attr, d_or = IN_MEMORY.get(family, IN_MEMORY["default"])
+            gu, dn = getattr(mod, gu_attr), getattr(mod, d_attr)
+            for e in range(gu.shape[0]):
+                g, u, d = deq[(e, "gate")], deq[(e, "up")], deq[(e, "down")]
+                g_u = torch.cat([g, u]) if order == "concat" else torch.stack([g, u], 1).reshape(-1, g.shape[1])
+                gu[e].copy_((g_u if gu_or == "out_in" else g_u.T).to(gu.dtype))
+                dn[e].copy_((d if d_or == "out_in" else d.T).to(dn.dtype))
+    return model
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+
 def load_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import (decode_output, example, load_json, model_expert_matrices, raw_bytes, read_tensors,
-                     seed_reference, tensor_files, tree_digest)
+from helpers import (decode_output, dequantized_reference, example, load_json, model_expert_matrices, raw_bytes,
+                     read_tensors, seed_reference, tensor_files, tree_digest)
 
 import expq
 from expq.examples import FAMILIES
@@ -135,25 +135,7 @@ def test_transformers_loads_and_matches(family, converted):
     src, out, report = converted(family)
     quant = _load(out)
     ref = _load(src)
-    deq = _load(src)
-    got = decode_output(out)
-    # the source model with its experts replaced by the dequantized weights (in the model's own layout)
-    with torch.no_grad():
-        for name, mod in deq.named_modules():
-            m = re.search(r"(?:layers|blocks)\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts$", name)
-            if not m:
-                continue
-            L = int(m[1])
-            from helpers import IN_MEMORY
-            gu_attr, gu_or, order, d_attr, d_or = IN_MEMORY.get(family, IN_MEMORY["default"])
-            gu, dn = getattr(mod, gu_attr), getattr(mod, d_attr)
-            for e in range(gu.shape[0]):
-                deq_w = {p: (got[(L, e, p)][0].float() * got[(L, e, p)][1].float()[:, None]).to(gu.dtype)
-                         for p in ("gate", "up", "down")}
-                g_u = torch.cat([deq_w["gate"], deq_w["up"]]) if order == "concat" else \
-                    torch.stack([deq_w["gate"], deq_w["up"]], 1).reshape(-1, deq_w["gate"].shape[1])
-                gu[e].copy_(g_u if gu_or == "out_in" else g_u.T)
-                dn[e].copy_(deq_w["down"] if d_or == "out_in" else deq_w["down"].T)
+    deq = dequantized_reference(family, src, out)  # the source model, experts replaced by the dequantized ones
     ids = torch.randint(2, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         lq, lr, ld = (m(ids).logits.float() for m in (quant, ref, deq))

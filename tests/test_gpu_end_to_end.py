@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import example
-from test_runtime import LOGIT_REL_TOL, dequantized_reference, rel
+from helpers import converted_factory, dequantized_reference, rel
+from test_runtime import LOGIT_REL_TOL
 
 import expq
 
@@ -16,17 +16,7 @@ FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "llama4_text", "gpt_oss", "db
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    done = {}
-
-    def get(family):
-        if family not in done:
-            src = example(tmp_path_factory, family)
-            out = tmp_path_factory.mktemp(f"gpu-{family}") / "out"
-            expq.convert(src, out, device="cuda")
-            done[family] = (src, out)
-        return done[family]
-
-    return get
+    return converted_factory(tmp_path_factory, "gpu", device="cuda")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

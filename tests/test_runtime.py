@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
-from helpers import IN_MEMORY, decode_output, example
+from helpers import converted_factory, decode_output, dequantized_reference, example, load_hf, rel
 from test_convert import TRANSFORMERS_CANNOT_LOAD
 from typer.testing import CliRunner
 
@@ -24,58 +23,7 @@ LOGIT_REL_TOL = 2e-2
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    done = {}
-
-    def get(family):
-        if family not in done:
-            src = example(tmp_path_factory, family)
-            out = tmp_path_factory.mktemp(f"rt-{family}") / "out"
-            expq.convert(src, out, device="cpu")
-            done[family] = (src, out)
-        return done[family]
-
-    return get
-
-
-def _load_hf(path):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as tlog
-
-    tlog.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def dequantized_reference(family, src, out):
-    """The source model with its experts replaced by the checkpoint's dequantized weights (transformers' own
-    modules): what stock transformers gives where it can load the format, built here for every family."""
-    model = _load_hf(src)
-    got = decode_output(out)
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            m = re.search(r"(?:layers|blocks)\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward|ffn)\.experts$", name)
-            if not m:
-                continue
-            L = int(m[1])
-            deq = {k[1:]: (c.float() * s.float()[:, None]) for k, (c, s, _) in got.items() if k[0] == L}
-            if family == "dbrx":
-                E = len({e for e, _ in deq})
-                for attr, p, tr in (("w1", "gate", False), ("v1", "up", False), ("w2", "down", True)):
-                    w = getattr(mod.mlp, attr)
-                    blocks = [deq[(e, p)].T if tr else deq[(e, p)] for e in range(E)]
-                    w.copy_(torch.cat(blocks).to(w.dtype))
-                continue
-            gu_attr, gu_or, order, d_attr, d_or = IN_MEMORY.get(family, IN_MEMORY["default"])
-            gu, dn = getattr(mod, gu_attr), getattr(mod, d_attr)
-            for e in range(gu.shape[0]):
-                g, u, d = deq[(e, "gate")], deq[(e, "up")], deq[(e, "down")]
-                g_u = torch.cat([g, u]) if order == "concat" else torch.stack([g, u], 1).reshape(-1, g.shape[1])
-                gu[e].copy_((g_u if gu_or == "out_in" else g_u.T).to(gu.dtype))
-                dn[e].copy_((d if d_or == "out_in" else d.T).to(dn.dtype))
-    return model
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return converted_factory(tmp_path_factory, "rt")
 
 
 IDS = torch.randint(2, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -92,7 +40,7 @@ def test_load_model_matches_dequantized_path(family, outputs):
             assert m.w13_weight.dtype == torch.int8 and m.w2_weight.dtype == torch.int8
             assert m.w13_scale.dtype == torch.float32 and m.w2_scale.dtype == torch.float32
             assert all(p.numel() == 0 for n, p in m.named_parameters() if p.dim() != 2 or "bias" not in n)
-    ref = _load_hf(out) if family not in TRANSFORMERS_CANNOT_LOAD else dequantized_reference(family, src, out)
+    ref = load_hf(out) if family not in TRANSFORMERS_CANNOT_LOAD else dequantized_reference(family, src, out)
     with torch.no_grad():
         a, b = model(IDS).logits, ref(IDS).logits
     assert rel(a, b) < LOGIT_REL_TOL, rel(a, b)
@@ -102,7 +50,7 @@ def test_negative_control_wrong_expert_weights(outputs):
     """Swapping two experts' int8 weights moves the logits far past LOGIT_REL_TOL: the comparison can fail."""
     src, out = outputs("mixtral")
     model = expq.load_model(out, device="cpu")
-    ref = _load_hf(out)
+    ref = load_hf(out)
     mod = next(m for m in model.modules() if getattr(m, "expq_int8", False))
     mod.w13_weight[[0, 1]] = mod.w13_weight[[1, 0]].clone()
     with torch.no_grad():
@@ -113,11 +61,11 @@ def test_experts_memory_is_int8(outputs):
     src, out = outputs("qwen3_moe")
     model = expq.load_model(out, device="cpu")
     nb = experts_nbytes(model)
-    src_model = _load_hf(src)
+    src_model = load_hf(src)
     bf16_experts = sum(p.numel() * p.element_size() for n, p in src_model.named_parameters() if ".experts." in n)
     # int8 codes are half of bf16; fp32 per-row scales add 4 bytes per row (4/(2*cols) of bf16 bytes)
     assert nb["experts"] < 0.6 * bf16_experts and nb["experts"] > 0.5 * bf16_experts, (nb, bf16_experts)
-    stock = _load_hf(out)
+    stock = load_hf(out)
     stock_experts = sum(p.numel() * p.element_size() for n, p in stock.named_parameters() if ".experts." in n)
     assert stock_experts == bf16_experts  # transformers' own path expands the experts back to bf16
 

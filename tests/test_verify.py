@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import example
+from helpers import converted_factory
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -20,17 +20,7 @@ FAMILIES = ["mixtral", "deepseek_v3", "gpt_oss", "llama4_text", "dbrx", "granite
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    done = {}
-
-    def get(family):
-        if family not in done:
-            src = example(tmp_path_factory, family)
-            out = tmp_path_factory.mktemp(f"v-{family}") / "out"
-            expq.convert(src, out, device="cpu", max_shard_size="40KB")
-            done[family] = (src, out)
-        return done[family]
-
-    return get
+    return converted_factory(tmp_path_factory, "v", max_shard_size="40KB")
 
 
 def corrupt_copy(out, tmp_path):
