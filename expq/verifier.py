@@ -166,7 +166,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         underflow_budget = _check_layer_codes(ck, L, experts, res, problems, underflow_budget)
         src_w = None
         if plan is not None:
-            src_w = _check_layer_bits(ck, plan, src_jobs_by_layer.get(L, []), L, res, problems)
+            src_w = _check_layer_bits(ck, experts, plan, src_jobs_by_layer.get(L, []), L, res, problems)
         _check_layer_kernel(ck, experts, res, problems, dev, act_dtype, tokens, gen, src_w,
                             fused_moe_int8, moe_reference, moe_reference_dense)
         res.ok = res.ok and not res.problems
@@ -203,21 +203,22 @@ def _check_index(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
     bad = []
     for f in ck.missing_files:
         bad.append(f"file {f}: listed in {INDEX_NAME} but missing")
+    where: dict[str, list[str]] = {}
+    for sh in ck.shards.values():
+        for t in sh.tensors:
+            where.setdefault(t.name, []).append(sh.file)
+    for name, files in where.items():
+        if len(files) > 1:
+            bad.append(f"tensor {name}: stored in {len(files)} shards ({', '.join(files)})")
     if ck.weight_map is not None:
         for name, f in ck.weight_map.items():
-            info = next((sh for sh in ck.shards.values() if any(t.name == name for t in sh.tensors)), None)
-            if f in ck.missing_files:
+            if f in ck.missing_files or f in where.get(name, []):
                 continue
-            if name not in {t.name for t in ck.shards[f].tensors}:
-                where = f" (it is in {info.file})" if info else ""
-                bad.append(f"tensor {name}: {INDEX_NAME} says {f} but the tensor is not there{where}")
-        indexed = set(ck.weight_map)
-        for sh in ck.shards.values():
-            for t in sh.tensors:
-                if t.name not in indexed:
-                    bad.append(f"tensor {t.name}: in {sh.file} but not in {INDEX_NAME}")
-                elif ck.weight_map[t.name] != sh.file:
-                    pass  # reported above from the index side
+            found = f" (it is in {where[name][0]})" if name in where else ""
+            bad.append(f"tensor {name}: {INDEX_NAME} says {f} but the tensor is not there{found}")
+        for name, files in where.items():
+            if name not in ck.weight_map:
+                bad.append(f"tensor {name}: in {files[0]} but not in {INDEX_NAME}")
         total = sum(t.nbytes for sh in ck.shards.values() for t in sh.tensors)
         declared = (ck.index.get("metadata") or {}).get("total_size")
         if declared != total:
@@ -399,9 +400,10 @@ def _same_bytes(a: Path, a0: int, b: Path, b0: int, n: int, chunk: int = 64 << 2
     return True
 
 
-def _check_layer_bits(ck: ConvertedCheckpoint, plan, jobs: list, L: int, res: LayerResult,
+def _check_layer_bits(ck: ConvertedCheckpoint, ex: LayerExperts, plan, jobs: list, L: int, res: LayerResult,
                       problems: list[str]) -> dict:
-    """Re-quantize the source matrices of layer L and compare; returns (expert, proj) -> source matrix (fp32)."""
+    """Re-quantize the source matrices of layer L and compare with the layer's decoded experts ``ex``; returns
+    (expert, proj) -> source matrix (fp32)."""
     from .pipeline import _matrix_rows
     from .scheme import dequantize_rows, quantize_rows
     from .source import read_tensor
@@ -416,21 +418,19 @@ def _check_layer_bits(ck: ConvertedCheckpoint, plan, jobs: list, L: int, res: La
         rows = j.matrices[0].rows
         for i, m in enumerate(j.matrices):
             sl = slice(i * rows, (i + 1) * rows)
-            module = ck.modules.get((m.layer, m.expert, m.proj))
-            if module is None:
-                continue  # reported by the structure check
-            try:
-                codes, scales = ck.module_codes(module)
-            except ExpqError as e:
-                res.problems.append(str(e))
-                continue
+            module = ck.modules.get((m.layer, m.expert, m.proj), "?")
+            I = ex.w2.shape[2]
+            if m.proj == "down":
+                codes, scales = ex.w2[m.expert], ex.w2_scale[m.expert]
+            else:
+                rows_ = slice(0, I) if m.proj == "gate" else slice(I, 2 * I)
+                codes, scales = ex.w13[m.expert, rows_], ex.w13_scale[m.expert, rows_]
             if codes.shape != ref_codes[sl].shape:
                 res.problems.append(f"layer {L} expert {m.expert} {m.proj} ({module}): shape {list(codes.shape)}, "
                                     f"source matrix {list(ref_codes[sl].shape)}")
                 continue
             dc = int((codes != ref_codes[sl]).sum())
-            ds = int((scales.to(ref_scales.dtype) != ref_scales[sl]).sum()) if scales.dtype == ref_scales.dtype \
-                else rows
+            ds = int((scales != ref_scales[sl].float()).sum())  # fp32 holds every compute-dtype value exactly
             codes_diff += dc
             scales_diff += ds
             if dc or ds:
