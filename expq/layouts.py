@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import LayoutError
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).parent / "configs"  # a link to the repository's configs/; a real folder in a wheel
 PROJECTIONS = ("gate", "up", "down")
 ORIENTATIONS = ("out_in", "in_out")
 

@@ -8,6 +8,7 @@ order from any device and no output shard is ever held in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ from .plan import OutTensor, Plan
 from .source import INDEX_NAME
 
 STAGING = ".expq-partial"
+LOCK = ".lock"  # in the staging folder: the pid of the conversion writing OUT
+OLD = ".replaced"  # in the staging folder: an overwritten checkpoint, until the new one is in place
 MANIFEST = "expq.json"
 
 
@@ -37,13 +40,16 @@ class OutputDir:
     """The output directory and its staging area.
 
     Args:
-        out: the final directory. Must not exist, or be empty, unless ``overwrite``; with ``overwrite`` an existing
-            checkpoint there is replaced only at ``commit`` (it stays intact if the conversion fails).
+        out: the final directory. Must not exist, or be empty, unless ``overwrite``; ``overwrite`` replaces only a
+            checkpoint an earlier ``expq convert`` wrote (one holding ``expq.json``), at ``commit``: the old one stays
+            intact if the conversion fails, and is restored if moving the new files in fails.
         src_root: the source directory, which OUT may not be, contain, or sit inside.
 
+    The staging folder doubles as a lock: a second conversion into the same OUT while one runs is refused.
+
     Raises:
-        UsageError: OUT is a file, not empty without ``overwrite``, not a checkpoint with ``overwrite``, or overlaps
-            the source.
+        UsageError: OUT is a file, not empty without ``overwrite``, not an expq checkpoint with ``overwrite``,
+            overlaps the source, or another conversion is writing it.
     """
 
     def __init__(self, out: str | Path, *, overwrite: bool = False, src_root: Path | None = None):
@@ -55,19 +61,34 @@ class OutputDir:
                 raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(out))
         if self.out.exists() and not self.out.is_dir():
             raise UsageError("OUT exists and is not a directory", file=str(out))
-        existing = [p.name for p in self.out.iterdir() if p.name != STAGING] if self.out.is_dir() else []
+        existing = sorted(p.name for p in self.out.iterdir() if p.name != STAGING) if self.out.is_dir() else []
         if existing and not overwrite:
             raise UsageError(f"OUT is not empty ({len(existing)} entries); pass --overwrite to replace it",
                              file=str(out))
-        if existing and not ({"config.json", MANIFEST} & set(existing)):
-            raise UsageError("OUT is not empty and does not hold a checkpoint; refusing to delete its contents",
-                             file=str(out))
+        if existing and MANIFEST not in existing:
+            raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
+                             "delete its contents", file=str(out))
         self._replace = existing
         self._created = not self.out.exists()
         self.staging = self.out / STAGING
-        if self.staging.exists():
-            shutil.rmtree(self.staging)  # left by a crashed run
-        self.staging.mkdir(parents=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._lock()
+
+    def _lock(self) -> None:
+        for _ in range(2):
+            try:
+                self.staging.mkdir()
+                (self.staging / LOCK).write_text(f"{os.getpid()}\n")
+                return
+            except FileExistsError:
+                try:
+                    pid = int((self.staging / LOCK).read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and _alive(pid):
+                    raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(self.out)) from None
+                shutil.rmtree(self.staging, ignore_errors=True)  # left by a run that was killed
+        raise UsageError("cannot create the staging folder (another run keeps recreating it)", file=str(self.out))
 
     def path(self, name: str) -> Path:
         """The staging path of an output file (its final name, relative to OUT)."""
@@ -83,20 +104,38 @@ class OutputDir:
 
     def commit(self) -> None:
         """Move every staged file to its final name: shards and side files first, then the index, then config.json
-        (a loader finds nothing usable until the last rename), and remove what an overwritten checkpoint had."""
-        staged = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
-        staged_top = {n.split("/")[0] for n in staged}
-        for old in self._replace:  # stale files and whole old folders of an overwritten checkpoint
-            target = self.out / old
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            elif old not in staged_top:
-                target.unlink()
-        last = [n for n in (INDEX_NAME, "config.json") if n in staged]
-        for name in [n for n in staged if n not in last] + last:
-            dst = self.out / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.staging / name, dst)
+        (a loader finds nothing usable until the last rename). An overwritten checkpoint is first moved aside into
+        the staging folder, and moved back if anything fails; it is deleted only once the new one is in place."""
+        staged = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*")
+                        if p.is_file() and p.relative_to(self.staging).as_posix() not in (LOCK,)
+                        and not p.relative_to(self.staging).as_posix().startswith(OLD + "/"))
+        old_dir = self.staging / OLD
+        moved_old: list[str] = []
+        moved_new: list[str] = []
+        try:
+            if self._replace:
+                old_dir.mkdir()
+                for name in self._replace:
+                    os.replace(self.out / name, old_dir / name)
+                    moved_old.append(name)
+            last = [n for n in (INDEX_NAME, "config.json") if n in staged]
+            for name in [n for n in staged if n not in last] + last:
+                dst = self.out / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(self.staging / name, dst)
+                moved_new.append(name)
+        except BaseException:
+            for name in reversed(moved_new):  # put the new files back, then the old checkpoint back in place
+                with contextlib.suppress(OSError):
+                    os.replace(self.out / name, self.staging / name)
+            for name in {n.split("/")[0] for n in moved_new}:
+                p = self.out / name
+                if p.is_dir() and not any(p.rglob("*")):
+                    shutil.rmtree(p, ignore_errors=True)
+            for name in moved_old:
+                with contextlib.suppress(OSError):
+                    os.replace(old_dir / name, self.out / name)
+            raise
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def abort(self) -> None:
@@ -107,6 +146,16 @@ class OutputDir:
                 self.out.rmdir()
             except OSError:
                 pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ShardSet:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -217,9 +218,14 @@ def test_out_not_empty_and_overwrite(tmp_path, tmp_path_factory):
         expq.convert(src, out, device="cpu")
     code, text = run_cli("convert", src, out)
     assert code == 2 and "--overwrite" in text
-    with pytest.raises(UsageError, match="does not hold a checkpoint"):
-        expq.convert(src, out, device="cpu", overwrite=True)  # never deletes what is not a checkpoint
+    with pytest.raises(UsageError, match="was not written by expq convert"):
+        expq.convert(src, out, device="cpu", overwrite=True)  # never deletes what expq did not write
     assert (out / "notes.txt").read_text() == "mine"
+    original = tmp_path / "original"  # an unconverted checkpoint is not fair game either
+    shutil.copytree(src, original)
+    with pytest.raises(UsageError, match="no expq.json"):
+        expq.convert(example(tmp_path_factory, "olmoe"), original, device="cpu", overwrite=True)
+    assert tree_digest(original) == tree_digest(src)
     # an earlier output is replaced, stale files removed
     out2 = tmp_path / "out2"
     expq.convert(src, out2, device="cpu", max_shard_size="40KB")
@@ -227,6 +233,38 @@ def test_out_not_empty_and_overwrite(tmp_path, tmp_path_factory):
     expq.convert(src, out2, device="cpu", overwrite=True)
     assert sorted(p.name for p in out2.glob("*.safetensors")) == ["model.safetensors"] and n_before > 1
     assert not (out2 / "model.safetensors.index.json").exists()
+
+
+def test_overwrite_failure_restores_the_old_checkpoint(tmp_path, tmp_path_factory, monkeypatch):
+    out = tmp_path / "out"
+    expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu", max_shard_size="40KB")
+    before = tree_digest(out)
+    import expq.writer as writer
+
+    real, calls = writer.os.replace, {"n": 0}
+    n_old = len(list(out.iterdir()))
+
+    def flaky(a, b):
+        calls["n"] += 1
+        if calls["n"] == n_old + 3:  # the old checkpoint moved aside, three new files moved in
+            raise OSError(5, "Input/output error")
+        return real(a, b)
+
+    monkeypatch.setattr(writer.os, "replace", flaky)
+    with pytest.raises(OSError):
+        expq.convert(example(tmp_path_factory, "qwen3_moe"), out, device="cpu", overwrite=True, max_shard_size="40KB")
+    monkeypatch.undo()
+    assert tree_digest(out) == before  # the old checkpoint, complete, and nothing of the new one
+    assert not (out / ".expq-partial").exists()
+
+
+def test_second_conversion_into_the_same_out_is_refused(tmp_path, tmp_path_factory):
+    out = tmp_path / "out"
+    (out / ".expq-partial").mkdir(parents=True)
+    (out / ".expq-partial" / ".lock").write_text(f"{os.getppid()}\n")  # a live process owns it
+    with pytest.raises(UsageError, match=r"another expq convert \(pid \d+\) is writing OUT"):
+        expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu")
+    assert (out / ".expq-partial" / ".lock").exists()  # the other run's work is left alone
 
 
 def test_out_overlaps_source(tmp_path, tmp_path_factory):
