@@ -197,6 +197,7 @@ def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool, command: str = 
                                    "routed_experts_per_layer", "top_k", "hidden_size", "moe_intermediate_size",
                                    "matrices_quantized", "source_tensors_quantized", "source_tensors_copied",
                                    "bytes_quantized_in", "bytes_copied", "bytes_in", "bytes_out", "output_shards")},
+        "layout_toml": plan.layout.source_text,  # verify, load_model and push read the layout from here
         "activation": plan.layout.activation,
         "expert_biases": list(plan.layout.expert_biases),
         "quantized_modules": len(plan.quantized_modules),

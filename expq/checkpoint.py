@@ -17,7 +17,7 @@ import torch
 
 from .errors import LayoutError, SourceError
 from .formats import compressed_tensors as ct
-from .layouts import Layout, builtin_layouts, config_lookup, detect_layout, moe_layer_indices
+from .layouts import Layout, builtin_layouts, config_lookup, detect_layout, moe_layer_indices, parse_layout
 from .source import INDEX_NAME, SINGLE_NAME, Shard, TensorInfo, read_header, read_tensor
 from .writer import MANIFEST
 
@@ -105,6 +105,11 @@ class ConvertedCheckpoint:
         self.modules = self._find_modules()
 
     def _layout(self) -> Layout:
+        """The layout the checkpoint was made with: carried in expq.json (a user's ``--layout`` file too), else the
+        built-in layout of that name, else detected from config.json."""
+        text = self.manifest.get("layout_toml")
+        if text:
+            return parse_layout(text, f"{self.root / MANIFEST} (layout_toml)")
         name = self.manifest.get("options", {}).get("layout")
         if name:
             for lay in builtin_layouts():

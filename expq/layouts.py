@@ -75,6 +75,7 @@ class Layout:
     stock_transformers: bool = True  # stock transformers loads this format for the family
     stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
     vllm_note: str = ""  # a caveat for some model types of the family
+    source_text: str = ""  # the layout file's text (carried in expq.json)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def expert_regex(self) -> re.Pattern[str]:
@@ -102,48 +103,114 @@ def _tuple(v: Any) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
+# Every key a layout file may have (a typo is an error, not a silent default).
+_KEYS = {
+    "": {"name", "summary", "model_types", "architectures", "config", "experts", "output", "runtime", "clients"},
+    "config": {"num_experts", "num_layers", "hidden_size", "intermediate_size", "top_k", "moe_layer_rules",
+               "activation", "router_weight_on_input"},
+    "experts": {"rule", "layers", "module", "gate", "up", "down", "gate_up", "biases"},
+    "output": {"module", "gate", "up", "down", "targets_container"},
+    "runtime": {"module", "forward"},
+    "clients": {"transformers", "vllm", "vllm_note"},
+    "stacked": {"name", "orientation", "order", "flat"},
+}
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+
 def load_layout(path: str | Path) -> Layout:
-    """Read and validate one layout file.
+    """Read and validate one layout file (see ``parse_layout``).
 
     Raises:
-        LayoutError: the file is missing, is not TOML, or lacks or misstates a required key (named in the message).
+        LayoutError: the file is missing or not a file, or any ``parse_layout`` error.
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
-        raise LayoutError("layout file not found", file=str(path)) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise LayoutError(f"not a valid TOML layout: {e}", file=str(path)) from None
+        raise LayoutError("layout file not found", file=path) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise LayoutError(f"cannot read the layout file: {type(e).__name__}", file=path) from None
+    return parse_layout(text, str(path))
+
+
+def parse_layout(text: str, path: str = "<layout>") -> Layout:
+    """Parse and validate a layout (TOML text; ``path`` names it in errors). The text is kept in
+    ``Layout.source_text`` so that a converted checkpoint can carry the layout it was made with.
+
+    Raises:
+        LayoutError: not TOML, an unknown key, a missing required key, or a value of the wrong type or range
+            (the message names the key).
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(f"not a valid TOML layout: {e}", file=path) from None
+
+    def check_keys(d: Any, section: str, allowed: set[str]) -> None:
+        if not isinstance(d, dict):
+            raise LayoutError(f"{section or 'the file'} must be a table", file=path)
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise LayoutError(f"unknown key {(section + '.') if section else ''}{unknown[0]} (known: "
+                              f"{', '.join(sorted(allowed))})", file=path)
 
     def need(d: dict, key: str, where: str) -> Any:
         if key not in d:
-            raise LayoutError(f"missing key {where}{key}", file=str(path))
+            raise LayoutError(f"missing key {where}{key}", file=path)
         return d[key]
+
+    def strings(v: Any, key: str) -> None:
+        vals = v if isinstance(v, list) else [v]
+        if not vals or not all(isinstance(x, str) and x for x in vals):
+            raise LayoutError(f"{key} must be a non-empty string or list of strings, got {v!r}", file=path)
+
+    check_keys(data, "", _KEYS[""])
+    for sec in ("config", "experts", "output", "runtime", "clients"):
+        if sec in data:
+            check_keys(data[sec], sec, _KEYS[sec])
+    for sec, keys in (("config", ("num_experts", "num_layers", "hidden_size", "intermediate_size", "top_k")),
+                      ("experts", ("layers", "module")), ("output", ("module", "gate", "up", "down",
+                                                                     "targets_container")),
+                      ("runtime", ("module", "forward"))):
+        for k in keys:
+            if k in data.get(sec, {}):
+                strings(data[sec][k], f"{sec}.{k}")
+    for k in ("name", "model_types", "architectures"):
+        if k in data:
+            strings(data[k], k)
+    act = data.get("config", {}).get("activation", "silu")
+    if act not in ACTIVATIONS:
+        raise LayoutError(f"config.activation must be one of {', '.join(ACTIVATIONS)}, got {act!r}", file=path)
 
     ex = need(data, "experts", "")
     cfg = data.get("config", {})
     rule = need(ex, "rule", "experts.")
     if rule not in ("per_expert", "stacked"):
-        raise LayoutError(f"experts.rule must be per_expert or stacked, got {rule!r}", file=str(path))
+        raise LayoutError(f"experts.rule must be per_expert or stacked, got {rule!r}", file=path)
+    need(ex, "module", "experts.")
     proj_names: dict[str, str] = {}
     stacked: dict[str, StackedTensor] = {}
     if rule == "per_expert":
         for p in PROJECTIONS:
             proj_names[p] = need(ex, p, "experts.")
+            if not isinstance(proj_names[p], str) or not proj_names[p]:
+                raise LayoutError(f"experts.{p} must be a projection name (string), got {proj_names[p]!r}",
+                                  file=path)
     else:
         parts = [k for k in ("gate_up", "gate", "up", "down") if k in ex]
         if set(parts) not in ({"gate_up", "down"}, {"gate", "up", "down"}):
             raise LayoutError("a stacked layout needs experts.gate_up and experts.down, or experts.gate, "
-                              "experts.up and experts.down", file=str(path))
+                              "experts.up and experts.down", file=path)
         for k in parts:
             t = ex[k]
+            check_keys(t, f"experts.{k}", _KEYS["stacked"])
+            strings(need(t, "name", f"experts.{k}."), f"experts.{k}.name")
             ors = _tuple(need(t, "orientation", f"experts.{k}."))
             if not ors or any(o not in ORIENTATIONS for o in ors):
-                raise LayoutError(f"experts.{k}.orientation must be out_in and/or in_out, got {ors}", file=str(path))
+                raise LayoutError(f"experts.{k}.orientation must be out_in and/or in_out, got {ors}", file=path)
             order = t.get("order", "concat")
             if order not in ("concat", "interleaved"):
-                raise LayoutError(f"experts.{k}.order must be concat or interleaved", file=str(path))
+                raise LayoutError(f"experts.{k}.order must be concat or interleaved", file=path)
             stacked[k] = StackedTensor(name=need(t, "name", f"experts.{k}."), orientations=ors, order=order,
                                        flat=bool(t.get("flat", False)))
     out = data.get("output", {})
@@ -158,10 +225,10 @@ def load_layout(path: str | Path) -> Layout:
     rules = _tuple(cfg.get("moe_layer_rules", ()))
     unknown = [r for r in rules if r not in MOE_LAYER_RULES]
     if unknown:
-        raise LayoutError(f"unknown config.moe_layer_rules {unknown}; known: {list(MOE_LAYER_RULES)}", file=str(path))
+        raise LayoutError(f"unknown config.moe_layer_rules {unknown}; known: {list(MOE_LAYER_RULES)}", file=path)
     return Layout(
         name=need(data, "name", ""),
-        path=str(path),
+        path=path,
         model_types=_tuple(data.get("model_types")),
         architectures=_tuple(data.get("architectures")),
         rule=rule,
@@ -182,14 +249,15 @@ def load_layout(path: str | Path) -> Layout:
         stock_transformers=bool(data.get("clients", {}).get("transformers", True)),
         stock_vllm=str(data.get("clients", {}).get("vllm", "")),
         vllm_note=str(data.get("clients", {}).get("vllm_note", "")),
+        source_text=text,
         extra={k: v for k, v in data.items() if k not in ("name", "model_types", "architectures", "experts",
                                                           "config", "output", "runtime", "clients")},
     )
 
 
-def _runtime_forward(value: str, path: Path) -> str:
+def _runtime_forward(value: str, path: str) -> str:
     if value not in ("topk", "dense_premultiplied"):
-        raise LayoutError(f"runtime.forward must be topk or dense_premultiplied, got {value!r}", file=str(path))
+        raise LayoutError(f"runtime.forward must be topk or dense_premultiplied, got {value!r}", file=path)
     return value
 
 

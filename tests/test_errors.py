@@ -322,3 +322,37 @@ def test_usage_errors(tmp_path, tmp_path_factory):
     assert code == 1 and "not a Hub repo id" in text
     assert not (tmp_path / "o").exists()
     assert issubclass(UsageError, ExpqError)
+
+
+def test_custom_layout_travels_with_the_checkpoint(tmp_path, tmp_path_factory):
+    """A user's --layout file is carried in expq.json, so verify, load_model and push work on the result."""
+    src = copy_src(tmp_path, tmp_path_factory)
+    edit_config(src, model_type="foomoe", architectures=["FooForCausalLM"])
+    layout = tmp_path / "foo.toml"
+    layout.write_text(Path("configs/mixtral.toml").read_text().replace('name = "mixtral"', 'name = "foomoe"')
+                      .replace('model_types = ["mixtral"]', 'model_types = ["foomoe"]'))
+    out = tmp_path / "out"
+    expq.convert(src, out, layout=layout, device="cpu")
+    rep = expq.verify(out, device="cpu", tokens=8)
+    assert rep.ok, rep.problems
+    from expq.hub import model_card
+
+    assert "foomoe layout" in model_card(out, "me/foo")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.replace('activation = "silu"', 'activaton = "gelu"'), "unknown key config.activaton"),
+    (lambda t: t.replace('activation = "silu"', 'activation = "relu2"'), "config.activation must be one of"),
+    (lambda t: t.replace('gate = "w1"', "gate = 5"), "experts.gate must be a projection name"),
+    (lambda t: t.replace('module = "block_sparse_moe.experts"', "module = 3", 1), "experts.module must be"),
+    (lambda t: t + "\n[experts.extra]\nx = 1\n", "unknown key experts.extra"),
+    (lambda t: t.replace("[experts]", "[experts\n"), "not a valid TOML layout"),
+])
+def test_bad_layout_files(tmp_path, tmp_path_factory, edit, match):
+    layout = tmp_path / "bad.toml"
+    layout.write_text(edit(Path("configs/mixtral.toml").read_text()))
+    src = example(tmp_path_factory, "mixtral")
+    with pytest.raises(LayoutError, match=match):
+        expq.convert(src, tmp_path / "out", layout=layout, device="cpu")
+    code, text = run_cli("convert", src, tmp_path / "out", "--layout", tmp_path)  # a directory
+    assert code == 1 and "cannot read the layout file" in text
