@@ -318,44 +318,55 @@ def detect_layout(config: dict, layouts: list[Layout] | None = None) -> tuple[La
 
 
 def moe_layer_indices(layout: Layout, config: dict, num_layers: int) -> list[int]:
-    """Decoder layers that are MoE layers according to the config keys the layout names (all rules must agree)."""
+    """Decoder layers that are MoE layers according to the config keys the layout names (all rules must agree).
 
-    def get(key: str) -> Any:
-        return config_lookup(config, (key,))[0]
+    Raises:
+        LayoutError: a key has a value of the wrong type or range (named in the message).
+    """
+
+    def get(key: str, kind: str, default: Any = None, minimum: int = 0) -> Any:
+        v = config_lookup(config, (key,))[0]
+        if v is None:
+            return default
+        if kind == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
+            raise LayoutError(f"{key} must be an integer >= {minimum}, got {v!r}", file="config.json")
+        if kind == "ints" and (not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in v)):
+            raise LayoutError(f"{key} must be a list of layer indices, got {v!r}", file="config.json")
+        if kind == "strs" and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
+            raise LayoutError(f"{key} must be a list of strings, got {v!r}", file="config.json")
+        return v
 
     out = []
     for L in range(num_layers):
         moe = True
         for rule in layout.moe_layer_rules:
             if rule == "first_k_dense_replace":
-                k = get("first_k_dense_replace") or 0
-                freq = get("moe_layer_freq") or 1
+                k = get("first_k_dense_replace", "int", 0)
+                freq = get("moe_layer_freq", "int", 1, minimum=1)
                 moe &= L >= k and L % freq == 0
             elif rule == "mlp_only_layers":
-                moe &= L not in (get("mlp_only_layers") or [])
+                moe &= L not in get("mlp_only_layers", "ints", [])
             elif rule == "decoder_sparse_step":
-                step = get("decoder_sparse_step") or 1
-                moe &= (L + 1) % step == 0
+                moe &= (L + 1) % get("decoder_sparse_step", "int", 1, minimum=1) == 0
             elif rule == "moe_layers":
-                listed = get("moe_layers")
+                listed = get("moe_layers", "ints")
                 if listed is not None:
                     moe &= L in listed
                 else:
-                    step = get("interleave_moe_layer_step")
-                    step = 1 if step is None else step
+                    step = get("interleave_moe_layer_step", "int", 1)
                     moe &= step > 0 and (L + 1) % step == 0
             elif rule == "moe_layer_start_index":
-                start = get("moe_layer_start_index") or 0
-                end = get("moe_layer_end_index")
+                start = get("moe_layer_start_index", "int", 0)
+                end = config_lookup(config, ("moe_layer_end_index",))[0]
                 end = num_layers - 1 if end is None or end < 0 else end
-                interval = get("moe_layer_interval") or 1
+                interval = get("moe_layer_interval", "int", 1, minimum=1)
                 moe &= start <= L <= end and (L + 1) % interval == 0
             elif rule == "expert_layer_period":
-                period = get("expert_layer_period") or 1
-                offset = get("expert_layer_offset") or 0
-                moe &= L % period == offset
+                period = get("expert_layer_period", "int", 1, minimum=1)
+                moe &= L % period == get("expert_layer_offset", "int", 0)
             elif rule == "mlp_layer_types":
-                types = get("mlp_layer_types")
+                types = get("mlp_layer_types", "strs")
                 if types is not None:
                     moe &= L < len(types) and types[L] == "sparse"
         if moe:

@@ -188,18 +188,21 @@ def _config_int(config: dict, keys: tuple[str, ...], what: str, used: dict[str, 
     used[what] = where
     if isinstance(val, list):  # e.g. per-layer sizes: not a single number
         return None
-    try:
-        return int(val)
-    except (TypeError, ValueError):
-        raise LayoutError(f"{where} = {val!r} is not an integer", file="config.json") from None
+    if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+        raise LayoutError(f"{where} = {val!r} is not an integer", file="config.json")
+    return val
 
 
 def _config_dtype(config: dict) -> str | None:
     for scope in (config, config.get("text_config") or {}):
+        if not isinstance(scope, dict):
+            continue
         for k in ("torch_dtype", "dtype"):
             v = scope.get(k)
             if isinstance(v, str):
                 return v
+            if v is not None:
+                raise LayoutError(f"{k} = {v!r} is not a dtype name", file="config.json")
     return None
 
 
@@ -264,6 +267,13 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     expect_moe = moe_layer_indices(lay, config, num_layers)
     got_moe = sorted(L for p, L in found if p == prefix and L < num_layers)
     extra_layers = sorted(L for p, L in found if L >= num_layers)
+    if extra_layers:  # only MTP layers may sit past the decoder, and only as many as the config declares
+        n_mtp, _ = config_lookup(config, ("num_nextn_predict_layers", "num_mtp_layers"))
+        n_mtp = n_mtp if isinstance(n_mtp, int) and not isinstance(n_mtp, bool) else 0
+        beyond = [L for L in extra_layers if L >= num_layers + n_mtp]
+        if beyond:
+            raise LayoutError(f"layers {beyond} hold routed experts beyond num_hidden_layers={num_layers} and the "
+                              f"config declares {n_mtp} MTP layers (num_nextn_predict_layers)", file="config.json")
     if not got_moe:
         raise LayoutError(f"no routed-expert tensors matching the {lay.name} layout ({regex.pattern})",
                           file=source.shards[0].file if source.shards else None,

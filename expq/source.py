@@ -117,15 +117,15 @@ def read_header(path: Path, rel: str) -> Shard:
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
-                raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=rel)
+                raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=str(path))
             n = int.from_bytes(raw, "little")
             if n <= 0 or n > MAX_HEADER or 8 + n > size:
-                raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=rel)
+                raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=str(path))
             header = json.loads(f.read(n))
     except OSError as e:
-        raise SourceError(f"cannot read: {e.strerror or e}", file=rel) from None
+        raise SourceError(f"cannot read: {e.strerror or e}", file=str(path)) from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SourceError("not a safetensors file (header is not JSON)", file=rel) from None
+        raise SourceError("not a safetensors file (header is not JSON)", file=str(path)) from None
     meta = header.pop("__metadata__", None) or {}
     base = 8 + n
     tensors = []
@@ -133,24 +133,25 @@ def read_header(path: Path, rel: str) -> Shard:
         try:
             dtype, shape, (s, t) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise SourceError("malformed header entry", file=rel, tensor=name) from None
+            raise SourceError("malformed header entry", file=str(path), tensor=name) from None
         if dtype not in DTYPE_BITS:
-            raise SourceError(f"unknown dtype {dtype}", file=rel, tensor=name)
+            raise SourceError(f"unknown dtype {dtype}", file=str(path), tensor=name)
         expect = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
         if t - s != expect:
             raise SourceError(f"byte range {t - s} does not match {dtype}{list(shape)} ({expect} bytes)",
-                              file=rel, tensor=name)
+                              file=str(path), tensor=name)
         tensors.append(TensorInfo(name, rel, dtype, shape, base + s, base + t))
     tensors.sort(key=lambda x: x.start)
     pos = base
     for ti in tensors:
         if ti.start != pos:
-            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=rel, tensor=ti.name)
+            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=str(path),
+                              tensor=ti.name)
         pos = ti.end
     if pos > size:
         last = tensors[-1].name if tensors else None
         raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
-                          file=rel, tensor=last)
+                          file=str(path), tensor=last)
     return Shard(rel, path, size, tensors, meta)
 
 
@@ -171,7 +172,9 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     try:
         config = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"not valid JSON: {e}", file="config.json") from None
+        raise SourceError(f"not valid JSON: {e}", file=str(cfg_path)) from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
 
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None
@@ -182,8 +185,15 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
             weight_map = idx["weight_map"]
             index_meta = idx.get("metadata") or {}
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise SourceError("not a valid safetensors index (needs a weight_map)", file=INDEX_NAME) from None
+            raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SourceError("weight_map must map tensor names to file names", file=str(index_path))
         files = sorted(set(weight_map.values()))
+        for rel in files:  # lexically: Hub cache snapshots are symlinks into the blob store, which is fine
+            norm = os.path.normpath(rel)
+            if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
+                raise SourceError(f"weight_map names a file outside the checkpoint directory: {rel!r}",
+                                  file=str(index_path))
     elif (root / SINGLE_NAME).is_file():
         files = [SINGLE_NAME]
     else:
@@ -203,23 +213,26 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     for rel in files:
         p = root / rel
         if not p.is_file():
-            raise SourceError(f"listed in {INDEX_NAME} but missing", file=rel)
+            raise SourceError(f"listed in {INDEX_NAME} but missing", file=str(p))
         sh = read_header(p, rel)
         shards.append(sh)
         for ti in sh.tensors:
             if ti.name in tensors:
-                raise SourceError(f"tensor stored twice (also in {tensors[ti.name].file})", file=rel, tensor=ti.name)
+                raise SourceError(f"tensor stored twice (also in {tensors[ti.name].file})", file=str(p),
+                                  tensor=ti.name)
             tensors[ti.name] = ti
     if weight_map is not None:
         for name, rel in weight_map.items():
             got = tensors.get(name)
             if got is None:
-                raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=rel, tensor=name)
+                raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=str(root / rel), tensor=name)
             if got.file != rel:
-                raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=rel, tensor=name)
+                raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=str(root / rel),
+                                  tensor=name)
         extra = sorted(set(tensors) - set(weight_map))
         if extra:
-            raise SourceError(f"tensor not listed in {INDEX_NAME}", file=tensors[extra[0]].file, tensor=extra[0])
+            raise SourceError(f"tensor not listed in {INDEX_NAME}", file=str(root / tensors[extra[0]].file),
+                              tensor=extra[0])
 
     side, skipped = [], []
     weight_files = set(files)
@@ -287,13 +300,13 @@ def read_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
     """
     dt = TORCH_DTYPES.get(info.dtype)
     if dt is None:
-        raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=info.file, tensor=info.name)
+        raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
     buf = bytearray(info.nbytes)
     with open(src_root / info.file, "rb", buffering=0) as f:
         got = f.readinto(memoryview(buf)) if f.seek(info.start) == info.start else 0
     if got != info.nbytes:
         raise SourceError(f"short read ({got} of {info.nbytes} bytes): file changed or truncated",
-                          file=info.file, tensor=info.name)
+                          file=str(src_root / info.file), tensor=info.name)
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dt)
     return torch.frombuffer(buf, dtype=dt).view(info.shape)
@@ -314,7 +327,7 @@ def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, c
                 while left:
                     n = os.copy_file_range(fd, dst_fd, min(left, 1 << 30), pos, dst_offset + (pos - info.start))
                     if n == 0:
-                        raise SourceError("short read: file changed or truncated", file=info.file, tensor=info.name)
+                        raise SourceError("short read: file changed or truncated", file=str(src_root / info.file), tensor=info.name)
                     pos += n
                     left -= n
                 return
@@ -323,7 +336,7 @@ def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, c
         while left:
             data = os.pread(fd, min(chunk, left), pos)
             if not data:
-                raise SourceError("short read: file changed or truncated", file=info.file, tensor=info.name)
+                raise SourceError("short read: file changed or truncated", file=str(src_root / info.file), tensor=info.name)
             os.pwrite(dst_fd, data, dst_offset + (pos - info.start))
             pos += len(data)
             left -= len(data)

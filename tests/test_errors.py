@@ -168,7 +168,7 @@ def test_truncated_shard(tmp_path, tmp_path_factory):
     f.write_bytes(data[: len(data) - 100])
     with pytest.raises(SourceError, match="truncated") as ei:
         expq.convert(src, tmp_path / "out", device="cpu")
-    assert ei.value.file == f.name and ei.value.tensor
+    assert ei.value.file == str(f) and ei.value.tensor
     code, text = run_cli("convert", src, tmp_path / "out")
     assert code == 1 and f.name in text and "truncated" in text
     assert_no_output(tmp_path / "out")
@@ -180,7 +180,7 @@ def test_index_names_missing_file(tmp_path, tmp_path_factory):
     f.unlink()
     with pytest.raises(SourceError, match="listed in model.safetensors.index.json but missing") as ei:
         expq.inspect(src)
-    assert ei.value.file == f.name
+    assert ei.value.file == str(f)
 
 
 def test_not_a_safetensors_file(tmp_path, tmp_path_factory):
@@ -189,7 +189,7 @@ def test_not_a_safetensors_file(tmp_path, tmp_path_factory):
     f.write_bytes(b"<html>rate limited</html>" * 10)
     with pytest.raises(SourceError, match="not a safetensors file") as ei:
         expq.inspect(src)
-    assert ei.value.file == f.name
+    assert ei.value.file == str(f)
 
 
 def test_expert_weight_not_float(tmp_path, tmp_path_factory):
@@ -356,3 +356,44 @@ def test_bad_layout_files(tmp_path, tmp_path_factory, edit, match):
         expq.convert(src, tmp_path / "out", layout=layout, device="cpu")
     code, text = run_cli("convert", src, tmp_path / "out", "--layout", tmp_path)  # a directory
     assert code == 1 and "cannot read the layout file" in text
+
+
+def test_index_may_not_point_outside_the_checkpoint(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    first = sorted(set(idx["weight_map"].values()))[0]
+    shutil.move(src / first, tmp_path / "evil.safetensors")
+    idx["weight_map"] = {k: ("../evil.safetensors" if v == first else v) for k, v in idx["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(SourceError, match="outside the checkpoint directory"):
+        expq.inspect(src)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_local_experts="4"), "is not an integer"),
+    (dict(num_local_experts=True), "is not an integer"),
+    (dict(num_hidden_layers=1), r"layers \[1\] hold routed experts beyond num_hidden_layers=1"),
+    (dict(dtype=5), "dtype"),
+])
+def test_config_values_checked(tmp_path, tmp_path_factory, change, match):
+    src = copy_src(tmp_path, tmp_path_factory)
+    edit_config(src, **change)
+    with pytest.raises(ExpqError, match=match):
+        expq.inspect(src)
+
+
+def test_moe_layer_keys_checked(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory, "qwen3_moe")
+    for change, match in ((dict(decoder_sparse_step=0), "decoder_sparse_step must be"),
+                          (dict(mlp_only_layers="1"), "mlp_only_layers must be")):
+        edit_config(src, **change)
+        with pytest.raises(LayoutError, match=match):
+            expq.inspect(src)
+        edit_config(src, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def test_config_json_not_an_object(tmp_path, tmp_path_factory):
+    src = copy_src(tmp_path, tmp_path_factory)
+    (src / "config.json").write_text("[1, 2]")
+    code, text = run_cli("inspect", src)
+    assert code == 1 and "must hold a JSON object" in text
