@@ -119,9 +119,9 @@ def convert(
         ("matrices quantized", f"{report.matrices_quantized} ({report.tensors_quantized} source tensors)"),
         ("tensors copied byte for byte", str(report.tensors_copied)),
         ("compute dtype", report.compute_dtype),
-        ("size", f"{_human(report.bytes_in)} -> {_human(report.bytes_out)} ({report.shards} shards)"),
-        ("time", f"{report.seconds:.1f} s on {', '.join(report.devices)} "
-                 f"({_human(report.bytes_in / max(report.seconds, 1e-9))}/s)"),
+        ("size", f"{_human(report.bytes_in)} -> {_human(report.bytes_out)} "
+                 f"({report.shards} shard{'s' if report.shards != 1 else ''})"),
+        ("time", f"{report.seconds:.1f} s on {', '.join(report.devices)}"),
         ("zero rows (scale 0)", str(report.zero_rows)),
         ("rows with underflowed scale", str(report.underflow_rows)),
     ]
@@ -175,7 +175,8 @@ def inspect(
                              f"({_human(s['bytes_quantized_in'])})")
     t.add_row("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
                          f"{len(s['side_files'])} side files")
-    t.add_row("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {s['output_shards']} shards")
+    n = s["output_shards"]
+    t.add_row("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")
     if s["skipped_files"]:
         t.add_row("not copied (other weight formats)", ", ".join(s["skipped_files"][:6]))
     out.print(t)
@@ -217,25 +218,27 @@ def verify(
 
         t = Table(title=f"expq verify {report.out}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1))
-        for col in ("layer", "experts", "struct", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
+        for col in ("layer", "experts", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
             t.add_column(col, no_wrap=True, min_width=len(col))
         fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
         for r in report.layers:
             bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
-                                                       f"{r.codes_differ}c/{r.scales_differ}s differ")
-            t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", "ok" if r.structure_ok else "FAIL", bits,
+                                                       f"{r.codes_differ}c/{r.scales_differ}s")
+            t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", bits,
                       "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
                       fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err),
                       "[green]pass[/]" if r.ok else "[red]FAIL[/]")
-        t.caption = ("row err: worst |w - q*s| in steps of s (bf16 allows 0.75: w/s is rounded to bf16 before round());"
-                     " kernel / worst tok: relative error against the fp32 reference; vs src: against the source")
         out.print(t)
         c = Table("check", "result", "detail", title="checks", title_justify="left")
         for ch in report.checks:
             c.add_row(ch.name, "[green]pass[/]" if ch.ok else "[red]FAIL[/]", ch.detail)
         out.print(c)
+        out.print(f"row err: worst |w - q*s| over rows, in steps s ({report.activation_dtype} allows "
+                  f"{report.row_error_limit:.2f}: w/s is rounded to {report.activation_dtype} before round()); "
+                  "kernel / worst tok: relative error against the fp32 reference (layer / worst token); "
+                  "vs src: against the source experts", highlight=False)
         out.print(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
-                  f"{report.tokens}+ tokens per layer; {report.seconds:.1f} s", highlight=False)
+                  f"{report.tokens} tokens per layer; {report.seconds:.1f} s", highlight=False)
         for p in report.problems[:10]:
             err.print(f"  [red]problem:[/] {p}", highlight=False)
         out.print(("[bold green]" if report.ok else "[bold red]") + report.verdict + "[/]", highlight=False)
@@ -257,6 +260,14 @@ def run(
     from .runtime import experts_nbytes, load_model
 
     try:
+        if max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        if not prompt.strip():
+            raise UsageError("--prompt is empty")
+        if device is not None:
+            from .pipeline import parse_devices
+
+            parse_devices(device)  # a clear error for a device that is not there
         model = load_model(out_dir, device=device)
         tok = None
         if any((out_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
@@ -265,6 +276,7 @@ def run(
 
             tok = AutoTokenizer.from_pretrained(out_dir)
         dev = next(model.parameters()).device
+        vocab = model.get_input_embeddings().weight.shape[0]
         if tok is not None:
             ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
         else:
@@ -273,6 +285,10 @@ def run(
             except ValueError:
                 raise UsageError("this checkpoint has no tokenizer: give --prompt as token ids, e.g. '1 2 3'") \
                     from None
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise UsageError(f"token ids must lie in [0, {vocab})")
+        if ids.shape[1] == 0:
+            raise UsageError("the prompt encodes to no tokens")
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)

@@ -183,8 +183,13 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
             lines.append(f"Fused-MoE int8 kernel ({verify_report.backend}, {verify_report.activation_dtype}) against "
                          f"an fp32 reference, every expert exercised: worst layer relative error {max(errs):.2e}.")
     lines += ["", "## How to use it", "", "### vLLM", ""]
+    hidden = plan.get("hidden_size")
     if ck.layout.stock_vllm:
         lines.append(f"Stock vLLM cannot serve this family in this format: {ck.layout.stock_vllm}. Use "
+                     "`expq.load_model` below, or vLLM's online `--quantization experts_int8` on the base model.")
+    elif hidden and hidden % 128:
+        lines.append(f"vLLM runs this format's int8 experts through Marlin, which needs the hidden size to be a "
+                     f"multiple of 128; this model's is {hidden}, so stock vLLM cannot serve it. Use "
                      "`expq.load_model` below, or vLLM's online `--quantization experts_int8` on the base model.")
     else:
         lines += ["```bash", f"vllm serve {repo_id}", "```", "",
@@ -266,6 +271,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         token: Hub token (default: ``HF_TOKEN`` or the huggingface_hub login).
         skip_verify: push even if ``verify`` fails (or without running it).
         dry_run: print what would be uploaded and the card; no network, nothing written.
+        device: where the verification's kernel check runs (``auto``, ``cpu``, ``cuda``...).
 
     Returns:
         PushReport.
@@ -273,7 +279,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     Raises:
         PushError: verification failed, no token, no permission, the id names a repo of another type, a network
             failure (re-run to resume: finished files are not uploaded again), or the remote files differ after upload.
-        UsageError: OUT is not a converted checkpoint, or a bad repo id.
+        UsageError: a bad repo id, or OUT has no expq.json. SourceError: OUT is not a converted checkpoint.
     """
     out = Path(out)
     if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1:
@@ -299,10 +305,10 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
                      verify_verdict=None if report is None else report.verdict, card=card, notes=notes)
     if dry_run:
         return res
+    tok = _token(token)  # before anything is written
     (out / "README.md").write_text(card)
     files = local_files(out)
     res.files, res.bytes = files, sum(f["size"] for f in files)
-    tok = _token(token)
     try:
         _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
                 commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",

@@ -21,7 +21,7 @@ from .formats import compressed_tensors as ct
 from .plan import Job, Plan
 from .scheme import quantize_matrix
 from .source import TORCH_DTYPES, copy_bytes, read_tensor
-from .writer import ShardSet
+from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
 
@@ -179,7 +179,11 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                 if job.kind == "copy":
                     out = job.outputs[0]
                     fd, pos = shards.target(out)
-                    copy_bytes(plan.source.root, job.source, fd, pos)
+                    try:
+                        copy_bytes(plan.source.root, job.source, fd, pos)
+                    except OSError as e:
+                        raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
+                                          tensor=out.name) from None
                     shards.done(out)
                 else:
                     _run_quantize(plan, job, device, shards, stats, allow_nonfinite, lock)

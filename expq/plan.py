@@ -160,6 +160,8 @@ class Plan:
 def parse_size(s: str | int) -> int:
     """``"5GB"`` -> 5_000_000_000 (decimal units as Hugging Face uses; GiB/MiB binary). Raises ValueError."""
     if isinstance(s, int):
+        if s <= 0:
+            raise ValueError(f"size must be positive: {s!r}")
         return s
     t = s.strip().upper().replace(" ", "")
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts
-from .errors import ExpqError, LayoutError
+from .errors import ExpqError, LayoutError, UsageError
 
 _PATCH_LOCK = threading.Lock()
 
@@ -165,15 +165,22 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
         (``w13_weight``/``w2_weight`` int8, ``w13_scale``/``w2_scale`` fp32). ``generate()`` works.
 
     Raises:
+        UsageError: an unknown backend, or a device that is not available.
         ExpqError: not a converted checkpoint; transformers cannot instantiate this architecture; the layout's
             runtime module is not found in the model.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as tlog
 
+    from .kernels.moe import BACKENDS
+    from .pipeline import parse_devices
+
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     ck = ConvertedCheckpoint(path)
     lay = ck.layout
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = parse_devices(str(device))[0] if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):

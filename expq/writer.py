@@ -15,7 +15,11 @@ import shutil
 import threading
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import ExpqError, UsageError
+
+
+class OutputError(ExpqError):
+    """Writing the output failed (disk full, permissions...); names the file and tensor."""
 from .plan import OutTensor, Plan
 from .source import INDEX_NAME
 
@@ -178,9 +182,13 @@ class ShardSet:
 
     def _open(self, k: int) -> tuple[int, int]:
         header = safetensors_header(self._members[k])
-        fd = os.open(self.outdir.path(self.plan.shard_names[k]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(fd, header, 0)
-        os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
+        path = self.outdir.path(self.plan.shard_names[k])
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
+        except OSError as e:
+            raise OutputError(f"cannot write: {e.strerror or e}", file=str(path)) from None
         return fd, len(header)
 
     def target(self, out: OutTensor) -> tuple[int, int]:
@@ -197,9 +205,13 @@ class ShardSet:
         if mv.nbytes != out.nbytes:
             raise RuntimeError(f"internal: {out.name} has {mv.nbytes} bytes, planned {out.nbytes}")
         fd, pos = self.target(out)
-        while mv.nbytes:
-            n = os.pwrite(fd, mv, pos)
-            mv, pos = mv[n:], pos + n
+        try:
+            while mv.nbytes:
+                n = os.pwrite(fd, mv, pos)
+                mv, pos = mv[n:], pos + n
+        except OSError as e:
+            raise OutputError(f"cannot write: {e.strerror or e}", file=self.plan.shard_names[out.shard],
+                              tensor=out.name) from None
         self.done(out)
 
     def done(self, out: OutTensor) -> None:
@@ -208,9 +220,11 @@ class ShardSet:
             self._left[out.shard] -= 1
             if self._left[out.shard] == 0:
                 fd, _ = self._fds.pop(out.shard)
-                if self.fsync:
-                    os.fsync(fd)
-                os.close(fd)
+                try:
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
                 self.closed.append(out.shard)
 
     def close_all(self) -> None:

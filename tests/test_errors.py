@@ -297,6 +297,28 @@ def test_crash_midway_leaves_no_final_file(tmp_path, tmp_path_factory, monkeypat
     assert code == 1 and "No space left on device" in text and "Traceback" not in text
 
 
+def test_disk_full_names_the_file(tmp_path, tmp_path_factory, monkeypatch):
+    import errno
+
+    import expq.writer as writer
+
+    real = writer.os.pwrite
+    calls = {"n": 0}
+
+    def full(fd, data, pos):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(writer.os, "pwrite", full)
+    out = tmp_path / "out"
+    with pytest.raises(ExpqError, match="cannot write: No space left on device") as ei:
+        expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu", max_shard_size="40KB")
+    assert ei.value.file.startswith("model-") and ei.value.tensor
+    assert_no_output(out)
+
+
 def test_staging_from_a_killed_run_is_not_a_checkpoint(tmp_path, tmp_path_factory):
     """A run killed hard leaves only the hidden staging folder: no loader sees a model; the next run cleans it."""
     src = example(tmp_path_factory, "mixtral")

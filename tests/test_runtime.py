@@ -125,6 +125,13 @@ def test_cli_run_token_ids_without_tokenizer(tmp_path, tmp_path_factory):
     assert len(r.stdout.split()) == 4 and all(t.isdigit() for t in r.stdout.split())
     r = CliRunner().invoke(app, ["run", str(tmp_path / "out"), "--prompt", "no tokenizer here"])
     assert r.exit_code == 2 and "token ids" in r.output
+    for args, msg in ((["--prompt", "1 2 99999"], "token ids must lie in"), (["--max-new-tokens", "0"], "at least 1"),
+                      (["--prompt", " "], "empty")):
+        r = CliRunner().invoke(app, ["run", str(tmp_path / "out"), *args])
+        assert r.exit_code == 2 and msg in r.output, r.output
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(app, ["run", str(tmp_path / "out"), "--device", "cuda"])
+        assert r.exit_code == 2 and "CUDA is not available" in r.output
 
 
 def test_load_model_errors(tmp_path, tmp_path_factory):
