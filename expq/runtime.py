@@ -185,9 +185,12 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, ImportError) as e:
-        raise ExpqError(f"transformers cannot instantiate model_type {config.model_type if 'config' in dir() else '?'}"
-                        f": {str(e).splitlines()[0]}", file=str(path)) from None
+    except (ValueError, KeyError, ImportError, OSError) as e:
+        import transformers
+
+        raise ExpqError(f"transformers {transformers.__version__} cannot instantiate model_type "
+                        f"{ck.config.get('model_type')!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                        file=str(path)) from None
     base_modules = _experts_modules(skeleton, ck)
     base = type(next(iter(base_modules.values())))
     del skeleton

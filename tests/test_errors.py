@@ -108,6 +108,7 @@ def test_stacked_expert_count_mismatch(tmp_path, tmp_path_factory):
     with pytest.raises(LayoutError, match=r"expected \[6, rows, cols\].*got \[4, 96, 64\]") as ei:
         expq.convert(src, tmp_path / "out", device="cpu")
     assert ei.value.tensor.endswith("block_sparse_moe.input_linear.weight")
+    assert_no_output(tmp_path / "out")
 
 
 def test_unknown_model_type(tmp_path, tmp_path_factory):
@@ -135,6 +136,7 @@ def test_square_orientation_not_decidable(tmp_path, tmp_path_factory):
     with pytest.raises(LayoutError, match="fits both orientations") as ei:
         expq.convert(src, tmp_path / "out", layout=layout, device="cpu")
     assert ei.value.tensor.endswith("input_linear.weight")
+    assert_no_output(tmp_path / "out")
     # the shipped layout fixes the orientation, so the same checkpoint converts
     expq.convert(src, tmp_path / "out", device="cpu")
 
@@ -144,6 +146,7 @@ def test_moe_layers_disagree_with_config(tmp_path, tmp_path_factory):
     edit_config(src, first_k_dense_replace=2)
     with pytest.raises(LayoutError, match=r"layers \[1\] have routed experts but the config"):
         expq.convert(src, tmp_path / "out", device="cpu")
+    assert_no_output(tmp_path / "out")
 
 
 def test_missing_projection(tmp_path, tmp_path_factory):
@@ -159,6 +162,7 @@ def test_missing_projection(tmp_path, tmp_path_factory):
     with pytest.raises(LayoutError, match="down_proj missing") as ei:
         expq.convert(src, tmp_path / "out", device="cpu")
     assert ei.value.expert == 3 and ei.value.tensor == name
+    assert_no_output(tmp_path / "out")
 
 
 def test_truncated_shard(tmp_path, tmp_path_factory):
@@ -199,6 +203,7 @@ def test_expert_weight_not_float(tmp_path, tmp_path_factory):
     with pytest.raises(SourceError, match="not bf16/fp16/fp32") as ei:
         expq.convert(src, tmp_path / "out", device="cpu")
     assert ei.value.tensor == name
+    assert_no_output(tmp_path / "out")
 
 
 def test_already_quantized_source(tmp_path, tmp_path_factory):
@@ -360,6 +365,8 @@ def test_custom_layout_travels_with_the_checkpoint(tmp_path, tmp_path_factory):
     from expq.hub import model_card
 
     assert "foomoe layout" in model_card(out, "me/foo")
+    with pytest.raises(ExpqError, match="cannot instantiate model_type 'foomoe'"):  # transformers has no foomoe
+        expq.load_model(out, device="cpu")
 
 
 @pytest.mark.parametrize("edit,match", [
