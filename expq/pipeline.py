@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .errors import ExpqError, NonFiniteError, UsageError
+from .errors import NonFiniteError, UsageError
 from .formats import compressed_tensors as ct
 from .plan import Job, Plan
 from .scheme import quantize_matrix
@@ -204,10 +204,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     for t in threads:
         t.join()
     if errors:
-        e = errors[0]
-        if isinstance(e, ExpqError):
-            raise e
-        raise e
+        raise errors[0]
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
     return stats
