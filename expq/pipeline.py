@@ -196,7 +196,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             stop.set()
         finally:
             with lock:
-                stats.jobs_by_device[str(device)] = count
+                stats.jobs_by_device[str(device)] = stats.jobs_by_device.get(str(device), 0) + count
 
     threads = [threading.Thread(target=worker, args=(d,), name=f"expq-{d}", daemon=True) for d in devices]
     for t in threads:

@@ -226,3 +226,22 @@ def test_cli_json_and_inspect(tmp_path, tmp_path_factory):
     assert summary["matrices_quantized"] == 24 and summary["experts"] == 4
     assert summary["bytes_out"] < summary["bytes_in"]
     assert math.isclose(summary["bytes_in"], sum(p.stat().st_size for p in src.glob("*.safetensors")), rel_tol=0.05)
+
+
+def test_several_workers_write_the_same_bytes(tmp_path, tmp_path_factory, converted):
+    """The multi-device path (one worker per device, positional writes in any order) on two CPU workers gives the
+    same files as one worker (the GPU variant is in test_scheme_gpu)."""
+    from expq.pipeline import run_plan
+    from expq.plan import make_plan
+    from expq.source import open_source
+    from expq.writer import OutputDir, ShardSet
+
+    src, out, _ = converted("deepseek_v3")
+    plan = make_plan(open_source(src), max_shard_size=SHARD)
+    outdir = OutputDir(tmp_path / "two", src_root=src)
+    shards = ShardSet(plan, outdir)
+    stats = run_plan(plan, shards, [torch.device("cpu"), torch.device("cpu")])
+    assert shards.complete() and sum(stats.jobs_by_device.values()) == len(plan.jobs)
+    for name in plan.shard_names:
+        assert (outdir.staging / name).read_bytes() == (out / name).read_bytes(), name
+    outdir.abort()
