@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
+from .errors import UsageError
 from .formats import compressed_tensors as ct
 from .layouts import Layout
 from .pipeline import RunStats, parse_devices, run_plan
@@ -111,14 +112,12 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
     """
     t0 = time.perf_counter()
     if format not in FORMATS:
-        from .errors import UsageError
         raise UsageError(f"unknown --format {format!r}; supported: {', '.join(FORMATS)}")
     devices = parse_devices(device)
     source = resolve_source(src, revision=revision, token=token)
     try:
         plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
     except ValueError as e:
-        from .errors import UsageError
         raise UsageError(str(e)) from None
     outdir = OutputDir(out, overwrite=overwrite, src_root=source.root)
     if on_plan:

@@ -915,22 +915,18 @@ class _Handler(BaseHTTPRequestHandler):
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
                     return
-                remaining = size
-                while remaining:
-                    chunk = self.rfile.read(min(remaining, 1 << 20))
-                    if not chunk:
-                        raise ConnectionError("client closed the connection mid-body")
-                    remaining -= len(chunk)
-                    yield chunk
+                yield from self._read_exactly(size)
                 self.rfile.readline()
         else:
-            remaining = int(self.headers.get("Content-Length") or 0)
-            while remaining:
-                chunk = self.rfile.read(min(remaining, 1 << 20))
-                if not chunk:
-                    raise ConnectionError("client closed the connection mid-body")
-                remaining -= len(chunk)
-                yield chunk
+            yield from self._read_exactly(int(self.headers.get("Content-Length") or 0))
+
+    def _read_exactly(self, n: int) -> Iterator[bytes]:
+        while n:
+            chunk = self.rfile.read(min(n, 1 << 20))
+            if not chunk:
+                raise ConnectionError("client closed the connection mid-body")
+            n -= len(chunk)
+            yield chunk
 
     def drain(self) -> None:
         try:

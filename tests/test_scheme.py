@@ -146,3 +146,16 @@ def test_compute_dtype_rejects():
         scheme.resolve_compute_dtype("bfloat16", "int8")
     with pytest.raises(ValueError, match="pass --dtype"):
         scheme.resolve_compute_dtype("float8_e4m3fn", "auto")
+
+
+def test_packing_in_row_blocks_equals_the_library_on_the_whole():
+    """Large matrices are packed and unpacked in row blocks on a CPU: the words equal one library call."""
+    from expq.formats import compressed_tensors as ct
+
+    pack, unpack = ct.packing_functions()
+    codes = torch.randint(-127, 128, (1100, 1001), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    assert codes.numel() > ct.PACK_BLOCK
+    packed, scale2d, shape = ct.encode(codes, torch.ones(1100, dtype=torch.bfloat16))
+    assert torch.equal(packed, pack(codes, 8)) and shape.tolist() == [1100, 1001]
+    back, _ = ct.decode(packed, scale2d, shape)
+    assert torch.equal(back, codes) and torch.equal(back, unpack(packed, 8, torch.Size([1100, 1001])))

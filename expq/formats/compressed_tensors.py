@@ -67,6 +67,18 @@ def packing_functions():
     return pack_to_int32, unpack_from_int32
 
 
+def _by_row_blocks(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, fn, cols: int | None = None):
+    """``fn(x)``, computed on blocks of about PACK_BLOCK elements of rows when on a CPU (per-row functions only)."""
+    cols = x.shape[1] if cols is None else cols
+    if x.device.type != "cpu" or shape[0] * cols <= PACK_BLOCK:
+        return fn(x)
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, PACK_BLOCK // cols)
+    for i in range(0, shape[0], step):
+        out[i:i + step] = fn(x[i:i + step])
+    return out
+
+
 def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
     """Turn int8 codes [rows, in] and scales [rows] (compute dtype) into the format's tensors, in
     ``tensor_specs`` order, for a batch of matrices stacked by rows (packing is per row, so a batch packs as one).
@@ -77,13 +89,8 @@ def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
     """
     pack_to_int32, _ = packing_functions()
     rows, cols = codes.shape
-    if codes.device.type != "cpu" or rows * cols <= PACK_BLOCK:
-        packed = pack_to_int32(codes, 8)
-    else:  # packing is per row: blocks of rows give the same words, about 4x faster on a CPU (they stay in cache)
-        packed = torch.empty(rows, math.ceil(cols / 4), dtype=torch.int32)
-        step = max(1, PACK_BLOCK // cols)
-        for i in range(0, rows, step):
-            packed[i:i + step] = pack_to_int32(codes[i:i + step], 8)
+    # packing is per row: blocks of rows give the same words, about 4x faster on a CPU (they stay in cache)
+    packed = _by_row_blocks(codes, (rows, math.ceil(cols / 4)), torch.int32, lambda blk: pack_to_int32(blk, 8))
     return [packed, scales.unsqueeze(1), torch.tensor([rows, cols], dtype=torch.int64)]
 
 
@@ -103,14 +110,8 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> tu
         raise ValueError(f"weight_packed {list(packed.shape)} does not fit weight_shape {[out, cols]}")
     if scale.shape not in ((out, 1), (out,)):
         raise ValueError(f"weight_scale {list(scale.shape)} does not fit {out} rows")
-    if packed.device.type != "cpu" or out * cols <= PACK_BLOCK:
-        codes = unpack_from_int32(packed, 8, torch.Size([out, cols]))
-    else:  # in blocks of rows, as packing: bounded int32 temporaries
-        codes = torch.empty(out, cols, dtype=torch.int8)
-        step = max(1, PACK_BLOCK // cols)
-        for i in range(0, out, step):
-            blk = packed[i:i + step]
-            codes[i:i + step] = unpack_from_int32(blk, 8, torch.Size([blk.shape[0], cols]))
+    codes = _by_row_blocks(packed, (out, cols), torch.int8,  # bounded int32 temporaries
+                           lambda blk: unpack_from_int32(blk, 8, torch.Size([blk.shape[0], cols])), cols)
     return codes, scale.reshape(out)
 
 
