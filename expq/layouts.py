@@ -266,6 +266,14 @@ def builtin_layouts() -> list[Layout]:
     return [load_layout(p) for p in sorted(CONFIGS_DIR.glob("*.toml"))]
 
 
+NESTED_CONFIG_SECTIONS = ("text_config", "language_config", "llm_config")
+
+
+def nested_configs(config: dict) -> list[tuple[str, dict]]:
+    """The nested model configs of a multimodal/wrapper ``config.json`` (``text_config``...), as (key, dict)."""
+    return [(n, config[n]) for n in NESTED_CONFIG_SECTIONS if isinstance(config.get(n), dict)]
+
+
 def config_lookup(config: dict, keys: tuple[str, ...]) -> tuple[Any, str | None]:
     """The value of the first of ``keys`` (in priority order; dotted paths allowed) present in ``config``, looking at
     the top level and then in a nested ``text_config`` / ``language_config`` / ``llm_config``.

@@ -1,0 +1,48 @@
+"""Source decoders: detect how the source stores its weights and turn quantized ones back into the compute dtype.
+
+``detect(config, tensors)`` tries each decoder of ``DECODERS`` in order and falls back to ``PlainDecoder``; a source
+whose ``quantization_config`` no decoder understands is refused, naming its ``quant_method``.
+"""
+
+from __future__ import annotations
+
+from ..errors import SourceError
+from ..source import TensorInfo
+from .base import Decoder, LogicalTensor, ReadFn
+from .plain import PlainDecoder
+
+DECODERS: list[type] = []
+"""Quantized source formats, tried in order (each in its own file next to this one)."""
+
+__all__ = ["Decoder", "LogicalTensor", "ReadFn", "PlainDecoder", "DECODERS", "detect", "source_quantization_config"]
+
+
+def source_quantization_config(config: dict) -> dict | None:
+    """The source's ``quantization_config`` (top level, else a nested text config's), or None."""
+    from ..layouts import nested_configs
+
+    for _, scope in [("", config), *nested_configs(config)]:
+        qc = scope.get("quantization_config")
+        if qc:
+            return qc if isinstance(qc, dict) else {"quant_method": repr(qc)}
+    return None
+
+
+def detect(config: dict, tensors: dict[str, TensorInfo]) -> Decoder:
+    """The decoder for a source's ``config.json`` and stored tensors.
+
+    Raises:
+        SourceError: the source is quantized in a format no decoder handles (names ``quant_method``), or a decoder
+            found its config inconsistent.
+    """
+    for cls in DECODERS:
+        dec = cls.detect(config, tensors)
+        if dec is not None:
+            return dec
+    qc = source_quantization_config(config)
+    if qc:
+        method = qc.get("quant_method", "?")
+        raise SourceError(f"the source is already quantized (quantization_config quant_method={method!r}); expq "
+                          "converts bf16/fp16/fp32 checkpoints", file="config.json",
+                          hint="start from the unquantized release")
+    return PlainDecoder()

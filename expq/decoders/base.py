@@ -1,0 +1,103 @@
+"""The source-decoder slot: how a tensor stored quantized in the source (FP8 blocks, MXFP4, compressed-tensors) is
+turned back into the compute dtype before anything else sees it.
+
+Everything downstream of ``source`` (the expert map, the plan, the pipeline, verify) works on *logical tensors*: the
+tensors an unquantized checkpoint of the same model would hold, under the names and in the orientation the layout
+files describe. A ``Decoder`` maps the stored tensors of a checkpoint onto logical tensors (a weight and the tensors
+it depends on, such as its ``weight_scale_inv``, possibly in another shard) and decodes one logical tensor at a time.
+A plain (unquantized) checkpoint maps every stored tensor to itself (``decoders/plain.py``).
+
+To add a source format: copy ``decoders/plain.py``, implement the three methods, and add the class to
+``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol
+
+import torch
+
+from ..source import TensorInfo
+
+ReadFn = Callable[[TensorInfo], torch.Tensor]
+"""Reads one stored tensor (its raw dtype, on the CPU): ``source.read_tensor`` bound to the source root."""
+
+
+@dataclass(frozen=True)
+class LogicalTensor:
+    """A tensor as an unquantized checkpoint would hold it.
+
+    Attributes:
+        name: its name in an unquantized checkpoint (e.g. ``model.layers.3.mlp.experts.7.gate_proj.weight``).
+        dtype: the safetensors dtype string after decoding (``"BF16"``...; the stored dtype when not decoded).
+        shape: its shape after decoding.
+        parts: the stored tensors it is made from; ``parts[0]`` is the main one (the weight, or the MXFP4 blocks),
+            the rest what it depends on (scales). One part and ``decoded == False``: stored as it is.
+        decoded: whether it must go through the decoder (False: its bytes are the stored bytes).
+        how: a short description for ``inspect`` (e.g. ``"fp8 e4m3 x 128x128 block scale -> bf16"``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[TensorInfo, ...]
+    decoded: bool = False
+    how: str = "stored as is"
+
+    @property
+    def stored(self) -> TensorInfo:
+        """The main stored tensor."""
+        return self.parts[0]
+
+    @property
+    def file(self) -> str:
+        return self.parts[0].file
+
+    @property
+    def nbytes_stored(self) -> int:
+        """Bytes read from the source for this tensor (all parts)."""
+        return sum(p.nbytes for p in self.parts)
+
+
+class Decoder(Protocol):
+    """A source format. Stateless apart from what it read from the config at construction."""
+
+    name: ClassVar[str]
+    """Short name shown by ``inspect`` and recorded in ``expq.json`` (``"none"`` for an unquantized source)."""
+
+    @classmethod
+    def detect(cls, config: dict, tensors: dict[str, TensorInfo]) -> "Decoder | None":
+        """This format's decoder if ``config`` (its ``quantization_config``) and the stored dtypes say the source is
+        in this format, else None.
+
+        Raises:
+            SourceError: the source claims this format but its config is inconsistent (names the key).
+        """
+        ...
+
+    def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
+        """Map every stored tensor onto the logical tensors (each stored tensor is a part of exactly one).
+
+        Args:
+            tensors: name -> stored TensorInfo over every shard of the source.
+
+        Returns:
+            logical name -> LogicalTensor, in the stored order of each tensor's main part.
+
+        Raises:
+            SourceError: a weight without its scale, a scale without its weight, a shape or block size that does
+                not fit (naming file and tensor).
+        """
+        ...
+
+    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+        """Decode one logical tensor (``tensor.decoded`` is True) from its parts.
+
+        Returns:
+            a CPU tensor of ``tensor.shape`` in the torch dtype of ``tensor.dtype``.
+
+        Raises:
+            SourceError: the stored values cannot be decoded (names file and tensor).
+        """
+        ...

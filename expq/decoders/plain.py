@@ -1,0 +1,33 @@
+"""An unquantized source (bf16 / fp16 / fp32 weights): every stored tensor is its own logical tensor.
+
+The file to copy when adding a source format (see ``decoders/base.py``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..errors import SourceError
+from ..source import TensorInfo
+from .base import LogicalTensor, ReadFn
+
+
+class PlainDecoder:
+    """No decoding: the source holds its weights unquantized."""
+
+    name: ClassVar[str] = "none"
+
+    @classmethod
+    def detect(cls, config: dict, tensors: dict[str, TensorInfo]) -> "PlainDecoder | None":
+        """Always applies when no quantized format claimed the source (``decoders.detect`` tries it last)."""
+        return cls()
+
+    def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
+        """Each stored tensor as it is."""
+        return {name: LogicalTensor(name, ti.dtype, ti.shape, (ti,)) for name, ti in tensors.items()}
+
+    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+        """Never called: nothing is stored quantized. Raises SourceError if it is."""
+        raise SourceError("internal: the plain decoder has nothing to decode", file=tensor.file, tensor=tensor.name)
