@@ -59,7 +59,6 @@ def test_transformers_loads_the_mxfp4_fixture_as_the_decoder_decodes_it(sources)
         assert torch.equal(held[lt.name].view(torch.int16), got.view(torch.int16)), lt.name
 
 
-@pytest.mark.xfail(reason="needs logical-tensor plan", strict=False)
 def test_convert_mxfp4_equals_convert_of_its_dequantized_bf16(sources, tmp_path):
     mx, deq = sources
     out1, out2 = tmp_path / "from-mxfp4", tmp_path / "from-bf16"
@@ -77,5 +76,8 @@ def test_convert_mxfp4_equals_convert_of_its_dequantized_bf16(sources, tmp_path)
     assert c1["quantization_config"]["quant_method"] == "compressed-tensors"
     assert "mxfp4" not in json.dumps(c1) and "modules_to_not_convert" not in json.dumps(c1["quantization_config"])
     assert c1 == c2
+    plan = expq.inspect(mx).summary()
+    assert (plan["source_format"], plan["source_tensors_decoded"], plan["source_tensors_quantized"]) == ("mxfp4", 4, 4)
+    assert expq.inspect(deq).summary()["source_format"] == "none"
     side = lambda o: sorted(p.name for p in o.iterdir() if not p.name.endswith(".safetensors"))  # noqa: E731
     assert side(out1) == side(out2)
