@@ -9,9 +9,12 @@ from __future__ import annotations
 from ..errors import SourceError
 from ..source import TensorInfo
 from .base import Decoder, LogicalTensor, ReadFn
+from .mxfp4 import Mxfp4Decoder
 from .plain import PlainDecoder
 
-DECODERS: list[type] = []
+DECODERS: list[type] = [
+    Mxfp4Decoder,
+]
 """Quantized source formats, tried in order (each in its own file next to this one)."""
 
 __all__ = ["Decoder", "LogicalTensor", "ReadFn", "PlainDecoder", "DECODERS", "detect", "source_quantization_config"]
