@@ -123,7 +123,15 @@ def _card_data(m: Manifest):
 
 
 def _card_intro(m: Manifest) -> str:
-    src = m.source
+    src, dec = m.source, m.decoded
+    decoded = "" if dec is None else (
+        f" The source is published as {dec.source_format}; expq decoded it to {m.plan.compute_dtype} first, exactly "
+        "as the vendor's own conversion does, so the result equals converting the unquantized release ("
+        + ", ".join(f"{n} {how}" for how, n in dec.tensors_decoded.items()) + ").")
+    return _card_intro_text(src) + decoded
+
+
+def _card_intro_text(src) -> str:
     if src.repo_id:
         return (f"[{src.repo_id}](https://huggingface.co/{src.repo_id}) at revision "
                 f"`{src.commit or src.revision}` with its **routed experts quantized to int8** exactly as vLLM's "

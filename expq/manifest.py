@@ -72,6 +72,15 @@ class RowsRecord(_Record):
     nonfinite_examples: list[str]
 
 
+class DecodedRecord(_Record):
+    """A quantized source: its format, its ``quantization_config`` (not carried into the output's config) and how
+    many tensors of each kind were decoded to the compute dtype."""
+
+    source_format: str
+    source_quantization_config: dict[str, Any]
+    tensors_decoded: dict[str, int]
+
+
 class Manifest(_Record):
     """The contents of ``expq.json`` (field order is the file's key order)."""
 
@@ -91,6 +100,7 @@ class Manifest(_Record):
     skipped_files: list[str]
     source_card: dict[str, Any]
     quantized_bytes_out: int
+    decoded: DecodedRecord | None = None  # written only for a quantized source
 
     @classmethod
     def from_plan(cls, plan, stats, *, allow_nonfinite: bool, command: str, source_card: dict) -> "Manifest":
@@ -112,11 +122,15 @@ class Manifest(_Record):
                             underflow_examples=[str(n) for n in stats.underflow_examples],
                             nonfinite_examples=[str(n) for n in stats.nonfinite_examples]),
             side_files=list(src.side_files), skipped_files=list(src.skipped_files), source_card=source_card,
-            quantized_bytes_out=sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs))
+            quantized_bytes_out=sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs),
+            decoded=_decoded(plan))
 
     def to_json(self) -> str:
         """The file's text (2-space indent; values JSON cannot hold, such as dates in a card, as strings)."""
-        return json.dumps(self.model_dump(mode="python"), indent=2, default=str) + "\n"
+        data = self.model_dump(mode="python")
+        if data["decoded"] is None:
+            del data["decoded"]
+        return json.dumps(data, indent=2, default=str) + "\n"
 
     @classmethod
     def load(cls, root: str | Path) -> "Manifest":
@@ -146,3 +160,13 @@ class Manifest(_Record):
     def load_optional(cls, root: str | Path) -> "Manifest | None":
         """``load``, or None when there is no ``expq.json`` (a checkpoint another tool wrote)."""
         return cls.load(root) if (Path(root) / MANIFEST).is_file() else None
+
+
+def _decoded(plan) -> DecodedRecord | None:
+    from .decoders import source_quantization_config
+
+    if plan.source.decoder.name == "none":
+        return None
+    return DecodedRecord(source_format=plan.source.decoder.name,
+                         source_quantization_config=source_quantization_config(plan.source.config) or {},
+                         tensors_decoded=plan.decoded_as())
