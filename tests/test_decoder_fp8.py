@@ -294,3 +294,11 @@ def test_fp8_config_without_fp8_tensors(tmp_path):
     t = _tensors(tmp_path, {"a.safetensors": {"x.weight": torch.ones(4, 4, dtype=torch.bfloat16)}})
     e = _raises_cfg(lambda: detect({"quantization_config": PUBLISHED[next(iter(PUBLISHED))]}, t))
     assert "no tensor is stored in F8_E4M3/F8_E5M2" in str(e)
+
+
+def test_per_tensor_weight_with_two_scales(tmp_path):
+    t = _tensors(tmp_path, {"a.safetensors": {"x.weight": _fp8_values((64, 64), 1),
+                                              "x.weight_scale_inv": torch.tensor(0.5),
+                                              "x.weight_scale": torch.tensor(2.0)}})
+    _raises(lambda: Fp8BlockDecoder(None).logical_tensors(t), "a.safetensors", "x.weight_scale",
+            "second scale for x.weight")

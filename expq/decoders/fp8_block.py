@@ -115,40 +115,45 @@ class Fp8BlockDecoder:
             or ``[1]`` per tensor); a scale not stored as a float; an FP8 tensor that is not a weight with a scale;
             static activation scales (``input_scale``).
         """
+        scales: dict[str, TensorInfo] = {}  # FP8 weight name -> its scale
+        for name, ti in tensors.items():
+            if ti.dtype in FP8_WEIGHT_DTYPES:
+                scales[name] = self._scale_of(name, ti, tensors)
+                self._check_scale(ti, scales[name])
+        used = {s.name for s in scales.values()}
         out: dict[str, LogicalTensor] = {}
-        used: set[str] = set()
-        for name, ti in tensors.items():
-            if ti.dtype not in FP8_WEIGHT_DTYPES:
-                continue
-            scale = self._scale_of(name, ti, tensors)
-            self._check_scale(ti, scale)
-            out[name] = LogicalTensor(name, "BF16", ti.shape, (ti, scale), decoded=True, how=self._how(ti))
-            used.add(scale.name)
-        for name, ti in tensors.items():
-            if name in out or name in used:
-                continue
-            if name.endswith("input_scale"):
-                raise SourceError("static activation scales (input_scale) are not supported: expq reads FP8 "
-                                  "checkpoints with dynamic activation scaling", file=ti.file, tensor=name)
-            if name.endswith(".weight" + SCALE_SUFFIX) or (self.block is None and name.endswith(".weight_scale")):
-                w = tensors.get(name.rsplit("_scale", 1)[0])
-                why = "has no weight" if w is None else f"belongs to a weight stored {w.dtype}, not in FP8"
-                raise SourceError(f"scale {why}", file=ti.file, tensor=name)
-            if ti.dtype.startswith("F8_"):
-                raise SourceError(f"stored {ti.dtype} but is not an FP8 weight with a scale: refusing to copy FP8 "
-                                  "bytes into a bf16 checkpoint", file=ti.file, tensor=name)
-            out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
-        return dict(sorted(out.items(), key=lambda kv: (kv[1].stored.file, kv[1].stored.start)))
+        for name, ti in tensors.items():  # in stored order; scales ride along with their weight
+            if name in scales:
+                out[name] = LogicalTensor(name, "BF16", ti.shape, (ti, scales[name]), decoded=True,
+                                          how=self._how(ti))
+            elif name not in used:
+                self._check_unpaired(name, ti, tensors)
+                out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
+        return out
+
+    def _check_unpaired(self, name: str, ti: TensorInfo, tensors: dict[str, TensorInfo]) -> None:
+        """A tensor that is neither an FP8 weight nor its scale must not look like either."""
+        if name.endswith("input_scale"):
+            raise SourceError("static activation scales (input_scale) are not supported: expq reads FP8 "
+                              "checkpoints with dynamic activation scaling", file=ti.file, tensor=name)
+        if name.endswith(".weight" + SCALE_SUFFIX) or (self.block is None and name.endswith(".weight_scale")):
+            w = tensors.get(name.rsplit("_scale", 1)[0])
+            why = ("has no weight" if w is None else f"belongs to a weight stored {w.dtype}, not in FP8"
+                   if w.dtype not in FP8_WEIGHT_DTYPES else f"is a second scale for {w.name}")
+            raise SourceError(f"scale {why}", file=ti.file, tensor=name)
+        if ti.dtype.startswith("F8_"):
+            raise SourceError(f"stored {ti.dtype} but is not an FP8 weight with a scale: refusing to copy FP8 "
+                              "bytes into a bf16 checkpoint", file=ti.file, tensor=name)
 
     def _scale_of(self, name: str, ti: TensorInfo, tensors: dict[str, TensorInfo]) -> TensorInfo:
+        if not name.endswith(".weight"):
+            raise SourceError(f"stored {ti.dtype} but is not an FP8 weight with a scale: refusing to copy FP8 bytes "
+                              "into a bf16 checkpoint", file=ti.file, tensor=name)
         suffixes = (SCALE_SUFFIX,) if self.block is not None else PER_TENSOR_SUFFIXES
         for suf in suffixes:
             s = tensors.get(name + suf)
             if s is not None:
                 return s
-        if not name.endswith(".weight"):
-            raise SourceError(f"stored {ti.dtype} but is not a weight (no {name}{SCALE_SUFFIX} either): refusing to "
-                              "copy FP8 bytes into a bf16 checkpoint", file=ti.file, tensor=name)
         raise SourceError(f"FP8 weight ({ti.dtype}) without its scale {name}{SCALE_SUFFIX} in any shard",
                           file=ti.file, tensor=name)
 
