@@ -218,14 +218,17 @@ class Fp8BlockDecoder:
             return out
         br, bc = self.block
         rows, cols = w.shape[-2:]
-        w3, s3, o3 = w.reshape(-1, rows, cols), s.reshape(-1, *s.shape[-2:]), out.view(-1, rows, cols)
+        w3, o3 = w.reshape(-1, rows, cols), out.view(-1, rows, cols)
+        # each block row's scales spread over its columns: block column j covers columns j*bc .. j*bc+bc-1, the
+        # last one cut at the matrix edge; [E, ceil(rows/br), cols], 1/br of the weight's elements
+        srow = s.reshape(-1, *s.shape[-2:]).repeat_interleave(bc, dim=-1)[..., :cols]
         band = max(1, BAND_BYTES // max(1, 4 * br * cols)) * br  # rows per band, a multiple of br
+        full = rows // br * br  # rows in whole block rows; the rest form the last, partial block row
         for e in range(w3.shape[0]):
-            for r0 in range(0, rows, band):
-                r1 = min(rows, r0 + band)
-                # expand the band's scales to elements: block row i covers rows i*br .. i*br+br-1, block column j
-                # covers columns j*bc .. j*bc+bc-1; the last ones are cut at the matrix edge
-                sb = s3[e, r0 // br: math.ceil(r1 / br)]
-                sb = sb.repeat_interleave(br, dim=0)[: r1 - r0].repeat_interleave(bc, dim=1)[:, :cols]
-                o3[e, r0:r1] = w3[e, r0:r1].to(torch.float32) * sb
+            for r0 in range(0, full, band):
+                r1 = min(full, r0 + band)
+                x = w3[e, r0:r1].to(torch.float32).view(-1, br, cols)  # [block rows, br, cols]
+                o3[e, r0:r1].view(-1, br, cols).copy_(x * srow[e, r0 // br: r1 // br, None, :])
+            if full < rows:
+                o3[e, full:] = w3[e, full:].to(torch.float32) * srow[e, -1]
         return out
