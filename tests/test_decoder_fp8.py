@@ -302,3 +302,18 @@ def test_per_tensor_weight_with_two_scales(tmp_path):
                                               "x.weight_scale": torch.tensor(2.0)}})
     _raises(lambda: Fp8BlockDecoder(None).logical_tensors(t), "a.safetensors", "x.weight_scale",
             "second scale for x.weight")
+
+
+def test_e8m0_and_f16_scales(tmp_path):
+    """Power-of-two scales stored as F8_E8M0 (2^(s-127)) and F16 scales multiply as their float32 values."""
+    w1, w2 = _fp8_values((70, 50), 21), _fp8_values((70, 50), 22)
+    g = torch.Generator().manual_seed(5)
+    s1 = torch.randint(110, 135, (3, 2), generator=g).to(torch.uint8).view(torch.float8_e8m0fnu)
+    s2 = _scales((3, 2), 22, torch.float16)
+    root = _write_checkpoint(tmp_path / "ck", {"model.safetensors": {
+        "a.weight": w1, "a.weight_scale_inv": s1, "b.weight": w2, "b.weight_scale_inv": s2}},
+        {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"})
+    _, _, got = _decode_all(root)
+    assert torch.equal(s1.float(), 2.0 ** (s1.view(torch.uint8).float() - 127))
+    assert torch.equal(got["a.weight"], vendor_dequant(w1, s1, 32, 32))
+    assert torch.equal(got["b.weight"], vendor_dequant(w2, s2, 32, 32))
