@@ -77,7 +77,6 @@ def test_decoder_reproduces_the_vendor_checkpoint(fp8_pair):
         assert got.dtype == vendor[name].dtype and raw_bytes(got) == raw_bytes(vendor[name]), name
 
 
-@pytest.mark.xfail(reason="needs logical-tensor plan", strict=False)
 def test_convert_fp8_equals_convert_of_vendor_bf16(fp8_pair, tmp_path):
     _, _, fp8_dir, vendor_dir = fp8_pair
     out1, out2 = tmp_path / "from-fp8", tmp_path / "from-vendor-bf16"
