@@ -18,7 +18,9 @@ from expq.source import open_source, read_header, read_tensor
 
 from fp8_fixture import vendor_dequant
 
-# quantization_config blocks as published (config.json of each Hub repo; see the module's notes in the report)
+# quantization_config blocks as published in each repo's config.json. DeepSeek-V3's is the one its README_WEIGHTS.md
+# documents; MiniMax-M2's and DeepSeek-V3.1/V3.2's (scale_fmt) as quoted verbatim by public code that reads them;
+# Kimi-K2-Instruct and Qwen3-30B-A3B-FP8 ship DeepSeek's block; Qwen3.5/3.6 FP8 add modules_to_not_convert.
 PUBLISHED = {
     "deepseek-ai/DeepSeek-V3, DeepSeek-R1, moonshotai/Kimi-K2-Instruct, Qwen/Qwen3-30B-A3B-FP8":
         {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
