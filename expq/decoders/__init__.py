@@ -9,10 +9,12 @@ from __future__ import annotations
 from ..errors import SourceError
 from ..source import TensorInfo
 from .base import Decoder, LogicalTensor, ReadFn
+from .fp8_block import Fp8BlockDecoder
 from .mxfp4 import Mxfp4Decoder
 from .plain import PlainDecoder
 
 DECODERS: list[type] = [
+    Fp8BlockDecoder,
     Mxfp4Decoder,
 ]
 """Quantized source formats, tried in order (each in its own file next to this one)."""

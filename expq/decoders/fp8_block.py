@@ -1,0 +1,234 @@
+"""FP8 sources with block scales (``quant_method: fp8`` + ``weight_block_size``): DeepSeek-V3/R1/V3.1/V3.2,
+Kimi-K2, Qwen3-*-FP8, MiniMax-M2 and every checkpoint written the same way.
+
+Stored format (DeepSeek-V3 ``README_WEIGHTS.md``; transformers' and vLLM's ``fp8`` loaders read the same): a linear
+weight ``X.weight`` is stored as ``F8_E4M3`` (or ``F8_E5M2``) ``[rows, cols]`` next to ``X.weight_scale_inv``,
+one float per ``br x bc`` block, ``[ceil(rows / br), ceil(cols / bc)]`` with ``(br, bc) = weight_block_size``.
+The scale may sit in another shard. Despite its name the scale *multiplies*: the vendor's own conversion to bf16
+(DeepSeek-V3 ``inference/fp8_cast_bf16.py`` calling ``weight_dequant`` of ``inference/kernel.py``) computes,
+element by element,
+
+    out[r, c] = bf16( float32(w[r, c]) * float32(scale[r // br, c // bc]) )
+
+the fp32 product rounded once to bf16 (round to nearest even); the partial blocks at the right and bottom edges use
+their block's scale as the full ones do. ``decode`` does exactly this with plain torch on the CPU, one band of block
+rows at a time.
+
+Without ``weight_block_size`` (per-tensor FP8) the scale is one value (shape ``[]`` or ``[1]``, named
+``weight_scale_inv`` or ``weight_scale``) applied the same way to the whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from ..errors import SourceError
+from ..source import TensorInfo, TORCH_DTYPES
+from .base import LogicalTensor, ReadFn
+
+FP8_WEIGHT_DTYPES = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
+"""Stored weight dtypes this decoder reads (decided from the safetensors dtype string, never from element size)."""
+SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+"""Stored scale dtypes: floats (DeepSeek ships F32, Qwen BF16); E8M0 power-of-two scales convert to F32 exactly."""
+SCALE_SUFFIX = "_scale_inv"
+PER_TENSOR_SUFFIXES = ("_scale_inv", "_scale")
+BAND_BYTES = 64 << 20  # fp32 working set of one band of block rows in decode
+
+
+def _block_size(qc: dict) -> tuple[int, int] | None:
+    """``weight_block_size`` as ``(rows, cols)``, None when absent.
+
+    Raises:
+        SourceError: present but not a list of two positive ints (names config.json and the key).
+    """
+    if "weight_block_size" not in qc or qc["weight_block_size"] is None:
+        return None
+    v = qc["weight_block_size"]
+    ok = (isinstance(v, (list, tuple)) and len(v) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v))
+    if not ok:
+        raise SourceError(f"quantization_config.weight_block_size must be a list of two positive integers, got {v!r}",
+                          file="config.json")
+    return int(v[0]), int(v[1])
+
+
+class Fp8BlockDecoder:
+    """FP8 weights with per-block (or per-tensor) float scales, decoded to bf16 as the vendor's script does.
+
+    Attributes:
+        block: ``(br, bc)`` from ``weight_block_size``; None for per-tensor FP8.
+    """
+
+    name: ClassVar[str] = "fp8-block"
+
+    def __init__(self, block: tuple[int, int] | None):
+        self.block = block
+
+    # --- detection ----------------------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls, config: dict, tensors: dict[str, TensorInfo]) -> "Fp8BlockDecoder | None":
+        """The decoder when the source's ``quantization_config`` (top level or nested, see
+        ``decoders.source_quantization_config``) says ``quant_method: fp8``, else None.
+
+        Accepts every published variant seen (extra keys such as ``fmt`` ``e4m3``/``float8_e4m3fn``,
+        ``activation_scheme``, ``scale_fmt: ue8m0``, ``modules_to_not_convert``, ``ignored_layers`` are not used:
+        the stored dtypes decide).
+
+        Raises:
+            SourceError: ``weight_block_size`` malformed (names config.json and the key); a weight that has a
+                ``weight_scale_inv`` partner but is not stored F8_E4M3/F8_E5M2; no tensor stored in FP8 at all.
+        """
+        from . import source_quantization_config
+
+        qc = source_quantization_config(config)
+        if not qc or qc.get("quant_method") != "fp8":
+            return None
+        dec = cls(_block_size(qc))
+        for name, ti in tensors.items():
+            if name.endswith(".weight" + SCALE_SUFFIX):
+                w = tensors.get(name[: -len(SCALE_SUFFIX)])
+                if w is not None and w.dtype not in FP8_WEIGHT_DTYPES:
+                    raise SourceError(f"has a {SCALE_SUFFIX} partner but is stored {w.dtype}, not F8_E4M3/F8_E5M2 as "
+                                      "quantization_config quant_method=fp8 says", file=w.file, tensor=w.name)
+        if not any(ti.dtype in FP8_WEIGHT_DTYPES for ti in tensors.values()):
+            raise SourceError("quantization_config says quant_method=fp8 but no tensor is stored in F8_E4M3/F8_E5M2",
+                              file="config.json", hint="if the weights were dequantized, remove quantization_config")
+        return dec
+
+    # --- mapping ------------------------------------------------------------------------------------------------
+    def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
+        """Pair every FP8 weight with its scale; everything else maps to itself.
+
+        Args:
+            tensors: name -> stored TensorInfo over every shard (a weight and its scale may be in different files).
+
+        Returns:
+            logical name -> LogicalTensor in stored order: ``X.weight`` (dtype ``"BF16"``, the weight's shape,
+            parts ``(weight, scale)``, ``decoded=True``) for each FP8 weight; every other tensor as it is stored.
+
+        Raises:
+            SourceError (naming file and tensor): an FP8 weight without its scale; a scale without its weight (or
+            whose weight is not FP8); a scale whose shape is not ``[*lead, ceil(rows/br), ceil(cols/bc)]`` (``[]``
+            or ``[1]`` per tensor); a scale not stored as a float; an FP8 tensor that is not a weight with a scale;
+            static activation scales (``input_scale``).
+        """
+        scales: dict[str, TensorInfo] = {}  # FP8 weight name -> its scale
+        for name, ti in tensors.items():
+            if ti.dtype in FP8_WEIGHT_DTYPES:
+                scales[name] = self._scale_of(name, ti, tensors)
+                self._check_scale(ti, scales[name])
+        used = {s.name for s in scales.values()}
+        out: dict[str, LogicalTensor] = {}
+        for name, ti in tensors.items():  # in stored order; scales ride along with their weight
+            if name in scales:
+                out[name] = LogicalTensor(name, "BF16", ti.shape, (ti, scales[name]), decoded=True,
+                                          how=self._how(ti))
+            elif name not in used:
+                self._check_unpaired(name, ti, tensors)
+                out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
+        return out
+
+    def _check_unpaired(self, name: str, ti: TensorInfo, tensors: dict[str, TensorInfo]) -> None:
+        """A tensor that is neither an FP8 weight nor its scale must not look like either."""
+        if name.endswith("input_scale"):
+            raise SourceError("static activation scales (input_scale) are not supported: expq reads FP8 "
+                              "checkpoints with dynamic activation scaling", file=ti.file, tensor=name)
+        if name.endswith(".weight" + SCALE_SUFFIX) or (self.block is None and name.endswith(".weight_scale")):
+            w = tensors.get(name.rsplit("_scale", 1)[0])
+            why = ("has no weight" if w is None else f"belongs to a weight stored {w.dtype}, not in FP8"
+                   if w.dtype not in FP8_WEIGHT_DTYPES else f"is a second scale for {w.name}")
+            raise SourceError(f"scale {why}", file=ti.file, tensor=name)
+        if ti.dtype.startswith("F8_"):
+            raise SourceError(f"stored {ti.dtype} but is not an FP8 weight with a scale: refusing to copy FP8 "
+                              "bytes into a bf16 checkpoint", file=ti.file, tensor=name)
+
+    def _scale_of(self, name: str, ti: TensorInfo, tensors: dict[str, TensorInfo]) -> TensorInfo:
+        if not name.endswith(".weight"):
+            raise SourceError(f"stored {ti.dtype} but is not an FP8 weight with a scale: refusing to copy FP8 bytes "
+                              "into a bf16 checkpoint", file=ti.file, tensor=name)
+        suffixes = (SCALE_SUFFIX,) if self.block is not None else PER_TENSOR_SUFFIXES
+        for suf in suffixes:
+            s = tensors.get(name + suf)
+            if s is not None:
+                return s
+        raise SourceError(f"FP8 weight ({ti.dtype}) without its scale {name}{SCALE_SUFFIX} in any shard",
+                          file=ti.file, tensor=name)
+
+    def _check_scale(self, w: TensorInfo, s: TensorInfo) -> None:
+        if s.dtype not in SCALE_DTYPES:
+            raise SourceError(f"scale stored {s.dtype}; expected a float ({', '.join(SCALE_DTYPES)})", file=s.file,
+                              tensor=s.name)
+        if self.block is None:
+            if s.shape not in ((), (1,)):
+                raise SourceError(f"per-tensor FP8 (no weight_block_size) needs a scale of shape [] or [1], got "
+                                  f"{list(s.shape)} for weight {list(w.shape)}", file=s.file, tensor=s.name)
+            return
+        if len(w.shape) < 2:
+            raise SourceError(f"FP8 weight of shape {list(w.shape)}: block scales need at least 2 dimensions",
+                              file=w.file, tensor=w.name)
+        br, bc = self.block
+        *lead, rows, cols = w.shape
+        want = (*lead, math.ceil(rows / br), math.ceil(cols / bc))
+        if s.shape != want:
+            raise SourceError(f"scale shape {list(s.shape)} does not fit weight {list(w.shape)} with "
+                              f"weight_block_size [{br}, {bc}] (expected {list(want)})", file=s.file, tensor=s.name)
+
+    def _how(self, w: TensorInfo) -> str:
+        fmt = FP8_WEIGHT_DTYPES[w.dtype]
+        if self.block is None:
+            return f"fp8 {fmt} x per-tensor scale -> bf16"
+        return f"fp8 {fmt} x {self.block[0]}x{self.block[1]} block scale_inv -> bf16"
+
+    # --- decoding -----------------------------------------------------------------------------------------------
+    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+        """Dequantize one FP8 weight as DeepSeek-V3's ``fp8_cast_bf16.py`` / ``weight_dequant`` do.
+
+        ``out[..., r, c] = bf16(float32(w[..., r, c]) * float32(scale[..., r // br, c // bc]))``: one fp32 multiply,
+        one rounding to bf16 (nearest even). Plain torch on the CPU; peak memory is the stored weight, the bf16
+        result and one fp32 band of block rows (about 64 MiB).
+
+        Args:
+            tensor: a LogicalTensor from ``logical_tensors`` with ``decoded`` True (parts: weight, scale).
+            read: reads one stored tensor in its raw dtype on the CPU.
+
+        Returns:
+            a CPU ``torch.bfloat16`` tensor of ``tensor.shape``.
+
+        Raises:
+            SourceError: the tensor is not one of this decoder's (names file and tensor).
+        """
+        if not tensor.decoded or len(tensor.parts) != 2:
+            raise SourceError("internal: not an FP8 weight with a scale", file=tensor.file, tensor=tensor.name)
+        wi, si = tensor.parts
+        w = read(wi)
+        if w.dtype != TORCH_DTYPES[wi.dtype]:
+            raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
+        s = read(si).to(torch.float32)
+        out = torch.empty(w.shape, dtype=torch.bfloat16)
+        if w.numel() == 0:
+            return out
+        if self.block is None:  # one scale for the whole tensor, in bands of rows to bound the fp32 working set
+            flat_w, flat_o, scale = w.reshape(-1), out.view(-1), s.reshape(())
+            step = BAND_BYTES // 4
+            for i in range(0, flat_w.numel(), step):
+                flat_o[i:i + step] = flat_w[i:i + step].to(torch.float32) * scale
+            return out
+        br, bc = self.block
+        rows, cols = w.shape[-2:]
+        w3, o3 = w.reshape(-1, rows, cols), out.view(-1, rows, cols)
+        # each block row's scales spread over its columns: block column j covers columns j*bc .. j*bc+bc-1, the
+        # last one cut at the matrix edge; [E, ceil(rows/br), cols], 1/br of the weight's elements
+        srow = s.reshape(-1, *s.shape[-2:]).repeat_interleave(bc, dim=-1)[..., :cols]
+        band = max(1, BAND_BYTES // max(1, 4 * br * cols)) * br  # rows per band, a multiple of br
+        full = rows // br * br  # rows in whole block rows; the rest form the last, partial block row
+        for e in range(w3.shape[0]):
+            for r0 in range(0, full, band):
+                r1 = min(full, r0 + band)
+                x = w3[e, r0:r1].to(torch.float32).view(-1, br, cols)  # [block rows, br, cols]
+                o3[e, r0:r1].view(-1, br, cols).copy_(x * srow[e, r0 // br: r1 // br, None, :])
+            if full < rows:
+                o3[e, full:] = w3[e, full:].to(torch.float32) * srow[e, -1]
+        return out
