@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,8 @@ def _check(case: str, src: Path, out: Path) -> None:
 
 @pytest.mark.parametrize("case,family,dtype,opts", CASES, ids=[c[0] for c in CASES])
 def test_fixture_outputs_byte_identical(case, family, dtype, opts, tmp_path, tmp_path_factory):
-    src = example(tmp_path_factory, family, dtype=dtype)
+    src = tmp_path / "src"  # a fixed name: expq.json records the source directory's name
+    shutil.copytree(example(tmp_path_factory, family, dtype=dtype), src)
     out = tmp_path / "out"
     expq.convert(src, out, max_shard_size=SHARD, device="cpu", **opts)
     _check(case, src, out)
