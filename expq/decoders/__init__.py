@@ -9,9 +9,10 @@ from __future__ import annotations
 from ..errors import SourceError
 from ..source import TensorInfo
 from .base import Decoder, LogicalTensor, ReadFn
+from .compressed_tensors import CompressedTensorsDecoder
 from .plain import PlainDecoder
 
-DECODERS: list[type] = []
+DECODERS: list[type] = [CompressedTensorsDecoder]
 """Quantized source formats, tried in order (each in its own file next to this one)."""
 
 __all__ = ["Decoder", "LogicalTensor", "ReadFn", "PlainDecoder", "DECODERS", "detect", "source_quantization_config"]
