@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
+from .devices import parse_devices
 from .errors import UsageError
-from .formats import compressed_tensors as ct
+from .formats import FORMATS
 from .layouts import Layout
-from .pipeline import RunStats, parse_devices, run_plan
-from .plan import Plan, make_plan
+from .manifest import MANIFEST, Manifest
+from .pipeline import RunStats, run_plan
+from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, resolve_source
-from .writer import MANIFEST, OutputDir, ShardSet, config_json, index_json
-
-FORMATS = ("compressed-tensors",)
+from .writer import OutputDir, ShardSet, config_json, index_json
 
 
 @dataclass
@@ -75,18 +73,25 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
 
     Raises:
         SourceError, LayoutError: see ``source.resolve_source`` and ``plan.make_plan``.
+        UsageError: a bad ``dtype`` or ``max_shard_size``.
     """
     source = resolve_source(src, revision=revision, token=token)
-    return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+    try:
+        return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
-def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tensors", dtype: str = "auto",
+def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, dtype: str = "auto",
             device: str = "auto", revision: str | None = None, max_shard_size: str | int = "5GB",
             overwrite: bool = False, layout: str | Path | Layout | None = None, allow_nonfinite: bool = False,
             token: str | None = None, fsync: bool = True,
             on_plan: Callable[[Plan], None] | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
+
+    Steps: parse the devices; open the source; plan (every check before a byte is written); take OUT (staging and
+    lock); run the plan through the devices; write config, index, side files and ``expq.json``; commit.
 
     Args:
         src: a local checkpoint directory or a Hub repo id (``revision``, ``token``; the user's cache and login,
@@ -98,9 +103,9 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
         max_shard_size: largest output shard, e.g. ``"5GB"``.
         layout: a layout file (``configs/*.toml`` format) for an architecture expq does not know.
         allow_nonfinite: quantize rows holding NaN/inf as vLLM would instead of refusing them.
-        fsync: flush each file to disk before renaming it (on by default).
+        fsync: flush each shard to disk before renaming it (on by default).
         on_plan: called with the plan before any work; on_progress: called after each source tensor with
-            (its bytes, output shards finished so far).
+            (its bytes, output shards finished so far); an exception either raises stops the conversion cleanly.
 
     Returns:
         ConvertReport.
@@ -116,32 +121,36 @@ def convert(src: str | Path, out: str | Path, *, format: str = "compressed-tenso
     devices = parse_devices(device)
     source = resolve_source(src, revision=revision, token=token)
     try:
-        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
     except ValueError as e:
         raise UsageError(str(e)) from None
     outdir = OutputDir(out, overwrite=overwrite, src_root=source.root)
-    if on_plan:
-        on_plan(plan)
     shards = ShardSet(plan, outdir, fsync=fsync)
     try:
+        if on_plan:
+            on_plan(plan)
         stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress)
-        cmd = _command(plan, dtype, allow_nonfinite, layout is not None)
-        _write_side_files(plan, source, outdir, stats, allow_nonfinite, cmd)
+        _write_side_files(plan, outdir, stats, allow_nonfinite, _command(plan, dtype, allow_nonfinite,
+                                                                          layout is not None))
         outdir.commit()
     except BaseException:
         shards.close_all()
         outdir.abort()
         raise
+    return _report(plan, outdir, stats, devices, time.perf_counter() - t0)
+
+
+def _report(plan: Plan, outdir: OutputDir, stats: RunStats, devices: list, seconds: float) -> ConvertReport:
+    em, src = plan.experts, plan.source
     return ConvertReport(
-        out=str(outdir.out), source=source.id, revision=source.revision, commit=source.commit,
-        architecture=plan.architecture, model_type=plan.model_type, layout=plan.layout.name, format=format,
-        compute_dtype=str(plan.compute_dtype).removeprefix("torch."), layers=plan.num_layers,
-        moe_layers=plan.moe_layers, dense_layers=plan.dense_layers, experts=plan.num_experts,
-        tensors_quantized=sum(1 for j in plan.jobs if j.kind == "quantize"), tensors_copied=len(plan.copied),
-        matrices_quantized=len(plan.matrices), side_files_copied=len(source.side_files),
-        shards=len(plan.shard_names), bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
-        seconds=round(time.perf_counter() - t0, 3), devices=[str(d) for d in devices], zero_rows=stats.zero_rows,
-        underflow_rows=stats.underflow_rows, nonfinite_rows=stats.nonfinite_rows,
+        out=str(outdir.out), source=src.id, revision=src.revision, commit=src.commit,
+        architecture=plan.architecture, model_type=plan.model_type, layout=plan.layout.name, format=plan.format.name,
+        compute_dtype=str(plan.compute_dtype).removeprefix("torch."), layers=em.num_layers,
+        moe_layers=em.moe_layers, dense_layers=em.dense_layers, experts=em.num_experts,
+        tensors_quantized=len(em.tensors), tensors_copied=len(plan.copied), matrices_quantized=len(em.matrices),
+        side_files_copied=len(src.side_files), shards=len(plan.shard_names), bytes_in=plan.bytes_in,
+        bytes_out=plan.bytes_out, seconds=round(seconds, 3), devices=[str(d) for d in devices],
+        zero_rows=stats.zero_rows, underflow_rows=stats.underflow_rows, nonfinite_rows=stats.nonfinite_rows,
         underflow_examples=[str(n) for n in stats.underflow_examples],
         nonfinite_examples=[str(n) for n in stats.nonfinite_examples])
 
@@ -153,9 +162,11 @@ def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) 
     parts = ["expq", "convert", src, "OUT"]
     if plan.source.repo_id and plan.source.commit:
         parts += ["--revision", plan.source.commit]
+    if plan.format.name != DEFAULT_FORMAT:
+        parts += ["--format", plan.format.name]
     if dtype != "auto":
         parts += ["--dtype", dtype]
-    if plan.max_shard_size != 5 * 10**9:
+    if plan.max_shard_size != DEFAULT_MAX_SHARD:
         parts += ["--max-shard-size", str(plan.max_shard_size)]
     if layout_given:
         parts += ["--layout", Path(plan.layout.path).name]
@@ -177,48 +188,15 @@ def _source_card(source: Source) -> dict:
         return {}
 
 
-def manifest(plan: Plan, stats: RunStats, allow_nonfinite: bool, command: str = "") -> dict:
-    """``expq.json``: what produced OUT (for ``verify``, ``push`` and the model card). Deterministic: no time, no
-    machine, no absolute paths."""
-    s = plan.summary()
-    return {
-        "expq_version": __version__,
-        "command": command,
-        "format": "compressed-tensors",
-        "scheme": "experts_int8",
-        "source": {"repo_id": plan.source.repo_id, "revision": plan.source.revision, "commit": plan.source.commit,
-                   "name": plan.source.repo_id or plan.source.root.name},
-        "options": {"dtype": s["compute_dtype"], "max_shard_size": plan.max_shard_size,
-                    "layout": plan.layout.name, "allow_nonfinite": allow_nonfinite},
-        "plan": {k: s[k] for k in ("architecture", "model_type", "layout", "layout_rule", "detected_by",
-                                   "config_keys", "compute_dtype", "compute_dtype_reason", "num_layers",
-                                   "moe_layers", "dense_layers", "extra_expert_layers_copied",
-                                   "routed_experts_per_layer", "top_k", "hidden_size", "moe_intermediate_size",
-                                   "matrices_quantized", "source_tensors_quantized", "source_tensors_copied",
-                                   "bytes_quantized_in", "bytes_copied", "bytes_in", "bytes_out", "output_shards")},
-        "layout_toml": plan.layout.source_text,  # verify, load_model and push read the layout from here
-        "activation": plan.layout.activation,
-        "expert_biases": list(plan.layout.expert_biases),
-        "quantized_modules": len(plan.quantized_modules),
-        "rows": {"zero": stats.zero_rows, "underflow": stats.underflow_rows, "nonfinite": stats.nonfinite_rows,
-                 "underflow_examples": [str(n) for n in stats.underflow_examples],
-                 "nonfinite_examples": [str(n) for n in stats.nonfinite_examples]},
-        "side_files": plan.source.side_files,
-        "skipped_files": plan.source.skipped_files,
-        "source_card": _source_card(plan.source),
-        "quantized_bytes_out": sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs),
-    }
-
-
-def _write_side_files(plan: Plan, source: Source, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool,
-                      command: str) -> None:
+def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool, command: str) -> None:
+    source = plan.source
     for rel in source.side_files:
         if rel == MANIFEST:
             continue
         outdir.copy_file(source.root / rel, rel)
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
-    qc = ct.quantization_config(plan.targets, plan.ignore)
-    man = manifest(plan, stats, allow_nonfinite, command)
-    outdir.write_text(MANIFEST, json.dumps(man, indent=2, default=str) + "\n")
-    outdir.write_text("config.json", config_json(source.config, qc))
+    man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
+                             source_card=_source_card(source))
+    outdir.write_text(MANIFEST, man.to_json())
+    outdir.write_text("config.json", config_json(source.config, plan.quantization_config()))

@@ -1,5 +1,5 @@
-"""Reading a converted checkpoint back: its layout, MoE layers and per-expert modules, and each layer's routed
-experts assembled in vLLM's experts_int8 layout (what ``verify`` checks and the runtime loader runs).
+"""Reading a converted checkpoint back: its manifest, layout, expert map and format, and each layer's routed experts
+assembled in vLLM's experts_int8 layout (what ``verify`` checks and the runtime loader runs).
 
 experts_int8 layout (vLLM ``ExpertsInt8MoEMethod``): ``w13`` int8 [E, 2I, H] (gate rows, then up rows),
 ``w2`` int8 [E, H, I], ``w13_scale`` fp32 [E, 2I], ``w2_scale`` fp32 [E, H]; plus, where the family has them,
@@ -9,19 +9,18 @@ expert biases ``w13_bias`` [E, 2I] (same row order) and ``w2_bias`` [E, H].
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import LayoutError, SourceError
-from .formats import compressed_tensors as ct
-from .layouts import Layout, builtin_layouts, config_lookup, detect_layout, moe_layer_indices, parse_layout
-from .source import INDEX_NAME, SINGLE_NAME, Shard, TensorInfo, read_header, read_tensor
-from .writer import MANIFEST
-
-PROJ = ("gate", "up", "down")
+from .experts import ExpertMap
+from .formats import FORMATS, Format, get_format
+from .layouts import Layout, builtin_layout, detect_layout, parse_layout
+from .manifest import MANIFEST, Manifest
+from .scheme import COMPUTE_DTYPES
+from .source import INDEX_NAME, SINGLE_NAME, TORCH_DTYPES, Shard, TensorInfo, read_header, read_tensor
 
 
 @dataclass
@@ -37,6 +36,14 @@ class LayerExperts:
     w2_bias: torch.Tensor | None = None  # [E, H]
     scale_dtype: torch.dtype = torch.bfloat16  # dtype the scales are stored in
 
+    def matrix(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int8 [out, in], scales fp32 [out]) of one projection: gate rows [0, I) and up rows [I, 2I) of
+        w13, or w2."""
+        if proj == "down":
+            return self.w2[expert], self.w2_scale[expert]
+        rows = w13_rows(proj, self.w2.shape[2])
+        return self.w13[expert, rows], self.w13_scale[expert, rows]
+
     def as_dict(self) -> dict:
         d = {"w13_weight": self.w13, "w2_weight": self.w2, "w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
         if self.w13_bias is not None:
@@ -46,45 +53,33 @@ class LayerExperts:
         return d
 
 
+def w13_rows(proj: str, intermediate: int) -> slice:
+    """Rows of ``w13`` [E, 2I, H] holding ``proj`` ("gate": the first I, "up": the next I), as vLLM fuses them."""
+    return slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
+
+
 class ConvertedCheckpoint:
-    """A checkpoint written by ``expq convert`` (read-only): headers, index, config, manifest and layout.
+    """A checkpoint written by ``expq convert`` (read-only): config, manifest, layout, shard headers, expert map and
+    format.
 
     Args:
         path: the output directory.
 
     Raises:
-        SourceError: no config.json, no quantization_config, or unreadable shard headers.
-        LayoutError: the architecture has no layout.
+        SourceError: no config.json, no quantization_config, an unreadable index, manifest or shard header.
+        LayoutError: the architecture has no layout, or its config numbers are not valid.
     """
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
-        cfg_path = self.root / "config.json"
-        if not cfg_path.is_file():
-            raise SourceError("no config.json: not a checkpoint directory", file=str(self.root))
-        try:
-            self.config = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SourceError(f"not valid JSON: {e}", file="config.json") from None
+        self.config = _read_config(self.root)
         self.quantization_config = self.config.get("quantization_config")
         if not isinstance(self.quantization_config, dict):
             raise SourceError("config.json has no quantization_config: not a converted checkpoint",
                               file="config.json")
-        mpath = self.root / MANIFEST
-        self.manifest = json.loads(mpath.read_text()) if mpath.is_file() else {}
+        self.manifest: Manifest | None = Manifest.load_optional(self.root)
         self.layout = self._layout()
-        idx = self.root / INDEX_NAME
-        if idx.is_file():
-            try:
-                self.index = json.loads(idx.read_text())
-                self.weight_map: dict[str, str] = self.index["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise SourceError("not a valid safetensors index", file=INDEX_NAME) from None
-            files = sorted(set(self.weight_map.values()))
-        elif (self.root / SINGLE_NAME).is_file():
-            self.index, self.weight_map, files = None, None, [SINGLE_NAME]
-        else:
-            raise SourceError("no model.safetensors or index", file=str(self.root))
+        self.index, self.weight_map, files = _read_index(self.root)
         self.shards: dict[str, Shard] = {}
         self.missing_files: list[str] = []
         for f in files:
@@ -96,65 +91,57 @@ class ConvertedCheckpoint:
         for sh in self.shards.values():
             for t in sh.tensors:
                 self.tensors.setdefault(t.name, t)
-        self.num_layers = int(config_lookup(self.config, self.layout.keys["num_layers"])[0])
-        self.num_experts = int(config_lookup(self.config, self.layout.keys["num_experts"])[0])
-        self.hidden_size = _int(config_lookup(self.config, self.layout.keys["hidden_size"])[0])
-        self.intermediate_size = _int(config_lookup(self.config, self.layout.keys["intermediate_size"])[0])
-        self.top_k = _int(config_lookup(self.config, self.layout.keys["top_k"])[0])
-        self.moe_layers = moe_layer_indices(self.layout, self.config, self.num_layers)
-        self.modules = self._find_modules()
+        self.experts = ExpertMap.from_checkpoint(self.layout, self.config, self.tensors)
+        self.format: Format = get_format(self._format_name(), self.experts, self.scale_dtype)
+        self.modules = self.format.quantized_modules(list(self.tensors))
 
     def _layout(self) -> Layout:
         """The layout the checkpoint was made with: carried in expq.json (a user's ``--layout`` file too), else the
         built-in layout of that name, else detected from config.json."""
-        text = self.manifest.get("layout_toml")
-        if text:
-            return parse_layout(text, f"{self.root / MANIFEST} (layout_toml)")
-        name = self.manifest.get("options", {}).get("layout")
-        if name:
-            for lay in builtin_layouts():
-                if lay.name == name:
-                    return lay
+        m = self.manifest
+        if m is not None and m.layout_toml:
+            return parse_layout(m.layout_toml, f"{self.root / MANIFEST} (layout_toml)")
+        if m is not None and (lay := builtin_layout(m.options.layout)) is not None:
+            return lay
         return detect_layout(self.config)[0]
 
-    def _find_modules(self) -> dict[tuple[int, int, str], str]:
-        """(layer, expert, proj) -> output module name, for every quantized module present."""
-        lay = self.layout
-        mod = re.escape(lay.out_module).replace(re.escape("{expert}"), r"(?P<expert>\d+)")
-        names = {v: k for k, v in lay.out_names.items()}
-        pat = re.compile(rf"^(?P<prefix>(?:.*\.)?){re.escape(lay.layers)}\.(?P<layer>\d+)\.{mod}\."
-                         rf"(?P<proj>{'|'.join(re.escape(n) for n in names)})\.weight_packed$")
-        out = {}
-        for name in self.tensors:
-            m = pat.match(name)
-            if m and int(m["layer"]) < self.num_layers:
-                out[(int(m["layer"]), int(m["expert"]), names[m["proj"]])] = name[: -len(".weight_packed")]
-        return out
+    def _format_name(self) -> str:
+        if self.manifest is not None:
+            return self.manifest.format
+        method = self.quantization_config.get("quant_method")
+        return method if method in FORMATS else next(iter(FORMATS))
+
+    # --- what callers ask -----------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.experts.num_layers
 
     @property
-    def prefix(self) -> str:
-        for (L, e, p), module in self.modules.items():
-            return module[: module.index(f"{self.layout.layers}.{L}.")]
-        return ""
+    def num_experts(self) -> int:
+        return self.experts.num_experts
 
-    def expected_modules(self) -> dict[tuple[int, int, str], str]:
-        """Every (layer, expert, proj) the config says exists, with the module name it must have."""
-        return {(L, e, p): self.layout.out_module_name(self.prefix, L, e, p)
-                for L in self.moe_layers for e in range(self.num_experts) for p in PROJ}
+    @property
+    def moe_layers(self) -> list[int]:
+        return self.experts.moe_layers
+
+    @property
+    def top_k(self) -> int | None:
+        return self.experts.top_k
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        from .scheme import COMPUTE_DTYPES
-
-        name = self.manifest.get("options", {}).get("dtype")
-        if name in COMPUTE_DTYPES:
-            return COMPUTE_DTYPES[name]
+        """The compute dtype the scales are stored in (the manifest's, else a stored scale's)."""
+        if self.manifest is not None and self.manifest.options.dtype in COMPUTE_DTYPES:
+            return COMPUTE_DTYPES[self.manifest.options.dtype]
         any_scale = next((t for n, t in self.tensors.items() if n.endswith(".weight_scale")), None)
-        from .source import TORCH_DTYPES
         return TORCH_DTYPES.get(any_scale.dtype, torch.bfloat16) if any_scale else torch.bfloat16
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor by name (one read; raises SourceError if absent)."""
+        """One tensor by name (one read).
+
+        Raises:
+            SourceError: no shard holds it.
+        """
         info = self.tensors.get(name)
         if info is None:
             raise SourceError("tensor not found in any shard", tensor=name)
@@ -164,11 +151,10 @@ class ConvertedCheckpoint:
         """(codes int8 [out, in], scales [out] in the stored dtype) of one quantized module.
 
         Raises:
-            SourceError: a tensor is missing or the three do not fit together.
+            SourceError: a tensor is missing or the module's tensors do not fit together.
         """
         try:
-            return ct.decode(self.read(module + ".weight_packed"), self.read(module + ".weight_scale"),
-                             self.read(module + ".weight_shape"))
+            return self.format.decode(module, self.read)
         except ValueError as e:
             raise SourceError(str(e), tensor=module) from None
 
@@ -182,23 +168,23 @@ class ConvertedCheckpoint:
         w13 = w2 = w13_scale = w2_scale = None
         scale_dtype = None
         for e in range(E):  # decoded straight into the layer's tensors: no per-expert lists, no stacking copies
-            for p in PROJ:
+            for p in ("gate", "up", "down"):
                 module = self.modules.get((layer, e, p))
                 if module is None:
-                    raise LayoutError(f"layer {layer}: {p} projection missing",
-                                      expert=e, tensor=self.layout.out_module_name(self.prefix, layer, e, p))
+                    raise LayoutError(f"layer {layer}: {p} projection missing", expert=e,
+                                      tensor=self.experts.module_name(layer, e, p))
                 c, s = self.module_codes(module)
-                if w13 is None and p == "gate":
+                if w13 is None:
+                    if p != "gate":
+                        raise LayoutError(f"layer {layer}: gate projection must come first", expert=e, tensor=module)
                     I, H = c.shape
                     w13 = torch.empty(E, 2 * I, H, dtype=torch.int8)
                     w2 = torch.empty(E, H, I, dtype=torch.int8)
                     w13_scale = torch.empty(E, 2 * I, dtype=torch.float32)
                     w2_scale = torch.empty(E, H, dtype=torch.float32)
                     scale_dtype = s.dtype
-                if w13 is None:
-                    raise LayoutError(f"layer {layer}: gate projection must come first", expert=e, tensor=module)
-                I = w13.shape[1] // 2
-                want = (H, I) if p == "down" else (I, w13.shape[2])
+                I, H = w13.shape[1] // 2, w13.shape[2]
+                want = (H, I) if p == "down" else (I, H)
                 if tuple(c.shape) != want:
                     raise LayoutError(f"layer {layer}: {p} has shape {list(c.shape)}, expected {list(want)}",
                                       expert=e, tensor=module)
@@ -206,29 +192,42 @@ class ConvertedCheckpoint:
                     w2[e].copy_(c)
                     w2_scale[e].copy_(s)
                 else:
-                    rows = slice(0, I) if p == "gate" else slice(I, 2 * I)
-                    w13[e, rows].copy_(c)
-                    w13_scale[e, rows].copy_(s)
+                    w13[e, w13_rows(p, I)].copy_(c)
+                    w13_scale[e, w13_rows(p, I)].copy_(s)
         res = LayerExperts(layer, w13, w2, w13_scale, w2_scale, scale_dtype=scale_dtype)
-        if self.layout.expert_biases:
-            res.w13_bias, res.w2_bias = self._biases(layer)
+        names = self.experts.bias_names(layer)
+        if names:
+            gu_name, d_name = names
+            res.w13_bias = self.experts.w13_rows(self.read(gu_name)) if gu_name in self.tensors else None
+            res.w2_bias = self.read(d_name) if d_name in self.tensors else None
         return res
 
-    def _biases(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """GPT-OSS-style expert biases, re-ordered to the w13 row order (gate rows then up rows)."""
-        base = f"{self.prefix}{self.layout.layers}.{layer}.{self.layout.module}."
-        gu_name, d_name = (base + b for b in self.layout.expert_biases)
-        gu = self.read(gu_name) if gu_name in self.tensors else None
-        d = self.read(d_name) if d_name in self.tensors else None
-        if gu is not None:
-            st = self.layout.stacked.get("gate_up")
-            if st is not None and st.order == "interleaved":
-                gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1)
-        return gu, d
 
-
-def _int(v) -> int | None:
+def _read_config(root: Path) -> dict:
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError("no config.json: not a checkpoint directory", file=str(root))
     try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise SourceError(f"not valid JSON: {e}", file="config.json") from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
+    return config
+
+
+def _read_index(root: Path) -> tuple[dict | None, dict[str, str] | None, list[str]]:
+    """(index, weight map, shard files) of a converted checkpoint (no index for a single ``model.safetensors``)."""
+    idx = root / INDEX_NAME
+    if idx.is_file():
+        try:
+            index = json.loads(idx.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            raise SourceError("not a valid safetensors index", file=INDEX_NAME) from None
+        return index, weight_map, sorted(set(weight_map.values()))
+    if (root / SINGLE_NAME).is_file():
+        return None, None, [SINGLE_NAME]
+    raise SourceError("no model.safetensors or index", file=str(root))

@@ -7,6 +7,7 @@ errors and unreadable input. Set ``EXPQ_DEBUG=1`` to see tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,40 +16,46 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.filesize import decimal
 from rich.table import Table
+from rich.text import Text
 
 from .errors import ExpqError, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
 
 
-def _fail(e: BaseException) -> None:
-    if os.environ.get("EXPQ_DEBUG"):
-        raise e
-    if isinstance(e, ExpqError):
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(e.exit_code)
-    if isinstance(e, KeyboardInterrupt):
-        err.print("[bold red]interrupted[/]")
-        raise typer.Exit(130)
-    if isinstance(e, MemoryError):
-        err.print("[bold red]error:[/] out of memory")
-        raise typer.Exit(1)
-    msg = str(e).splitlines()[0] if str(e) else ""
-    err.print(f"[bold red]error:[/] {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", highlight=False,
-              soft_wrap=True)
-    raise typer.Exit(1)
+@contextlib.contextmanager
+def errors_to_exit_codes():
+    """The one error handler: an ``ExpqError`` becomes its one line and its exit status; Ctrl-C 130; anything else
+    one line and 1 (``EXPQ_DEBUG=1`` re-raises, for the traceback). User text is printed literally, never as
+    markup."""
+    try:
+        yield
+    except (typer.Exit, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        if os.environ.get("EXPQ_DEBUG"):
+            raise
+        if isinstance(e, ExpqError):
+            line, code = f"error: {e}", e.exit_code
+        elif isinstance(e, KeyboardInterrupt):
+            line, code = "interrupted", 130
+        elif isinstance(e, MemoryError):
+            line, code = "error: out of memory", 1
+        else:
+            msg = str(e).splitlines()[0] if str(e) else ""
+            line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
+        err.print(Text(line, style="bold red"), soft_wrap=True)
+        raise typer.Exit(code) from None
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    """Decimal sizes, as the Hub shows them (rich's own formatter)."""
+    return decimal(int(n), precision=2)
 
 
 @app.command()
@@ -71,47 +78,18 @@ def convert(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
     from .api import convert as api_convert
 
-    progress = None
-    state: dict = {}
-
-    def on_plan(plan) -> None:
-        nonlocal progress
-        if as_json:
-            return
-        err.print(f"[bold]{plan.source.id}[/]: {plan.architecture or plan.model_type} ({plan.layout.name} layout), "
-                  f"{len(plan.moe_layers)} MoE layers x {plan.num_experts} experts, compute dtype "
-                  f"{str(plan.compute_dtype).removeprefix('torch.')}", highlight=False)
-        progress = Progress(TextColumn("[bold blue]converting"), BarColumn(), DownloadColumn(),
-                            TextColumn("{task.fields[shards]}"), TransferSpeedColumn(), TimeRemainingColumn(),
-                            console=err, transient=False)
-        progress.start()
-        state["task"] = progress.add_task("convert", total=plan.bytes_in, shards=f"0/{len(plan.shard_names)} shards")
-        state["n"] = len(plan.shard_names)
-
-    def on_progress(nbytes: int, shards_done: int) -> None:
-        if progress is not None:
-            progress.update(state["task"], advance=nbytes, shards=f"{shards_done}/{state['n']} shards")
-
-    try:
+    bar = _ConvertProgress(enabled=not as_json)
+    with errors_to_exit_codes(), bar:
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
                              max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
-                             allow_nonfinite=allow_nonfinite, token=token, on_plan=on_plan, on_progress=on_progress)
-    except BaseException as e:  # noqa: BLE001
-        if progress is not None:
-            progress.stop()
-        _fail(e)
-        return
-    if progress is not None:
-        progress.stop()
+                             allow_nonfinite=allow_nonfinite, token=token, on_plan=bar.on_plan,
+                             on_progress=bar.on_progress)
     if as_json:
         print(json.dumps(report.to_dict()))
         return
-    t = Table(title=f"expq convert -> {report.out}", show_header=False, title_justify="left")
+    t = Table(title=Text(f"expq convert -> {report.out}"), show_header=False, title_justify="left")
     rows = [
         ("architecture", f"{report.architecture} ({report.layout} layout)"),
         ("MoE layers / dense", f"{len(report.moe_layers)} / {len(report.dense_layers)} of {report.layers}"),
@@ -128,10 +106,48 @@ def convert(
     if report.nonfinite_rows:
         rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(k, Text(v))
     out.print(t)
     for ex in report.underflow_examples[:5]:
-        err.print(f"  underflow: {ex}", highlight=False)
+        err.print(Text(f"  underflow: {ex}"))
+
+
+class _ConvertProgress:
+    """The convert progress bar on stderr (rich), fed by ``convert``'s ``on_plan`` / ``on_progress`` callbacks."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.progress = None
+        self.task = None
+        self.shards = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def on_plan(self, plan) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        if not self.enabled:
+            return
+        em = plan.experts
+        err.print(Text(f"{plan.source.id}: {plan.architecture or plan.model_type} ({plan.layout.name} layout), "
+                       f"{len(em.moe_layers)} MoE layers x {em.num_experts} experts, compute dtype "
+                       f"{str(plan.compute_dtype).removeprefix('torch.')}"))
+        self.progress = Progress(TextColumn("converting", style="bold blue"), BarColumn(), DownloadColumn(),
+                                 TextColumn("{task.fields[shards]}"), TransferSpeedColumn(), TimeRemainingColumn(),
+                                 console=err, transient=False)
+        self.progress.start()
+        self.shards = len(plan.shard_names)
+        self.task = self.progress.add_task("convert", total=plan.bytes_in, shards=f"0/{self.shards} shards")
+
+    def on_progress(self, nbytes: int, shards_done: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=nbytes, shards=f"{shards_done}/{self.shards} shards")
 
 
 @app.command()
@@ -148,42 +164,44 @@ def inspect(
     """Show what convert would do, without writing anything."""
     from .api import inspect as api_inspect
 
-    try:
+    with errors_to_exit_codes():
         plan = api_inspect(src, revision=revision, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
                            token=token)
-    except BaseException as e:  # noqa: BLE001
-        _fail(e)
-        return
     s = plan.summary()
     if tensors:
-        s["tensors"] = [{"name": j.source.name, "file": j.source.file, "dtype": j.source.dtype,
-                         "shape": list(j.source.shape), "action": j.kind,
-                         "outputs": [o.name for o in j.outputs]} for j in plan.jobs]
+        s["tensors"] = plan.tensor_table()
     if as_json:
         print(json.dumps(s))
         return
-    t = Table(title=f"expq inspect {s['source']}", show_header=False, title_justify="left")
-    t.add_row("architecture", f"{s['architecture']} (model_type {s['model_type']})")
-    t.add_row("layout", f"{s['layout']} ({s['layout_rule']}), detected by {s['detected_by']}")
-    t.add_row("config keys", ", ".join(f"{k} <- {v}" for k, v in s["config_keys"].items()))
-    t.add_row("layers", f"{s['num_layers']}: MoE {s['moe_layers']}, dense {s['dense_layers']}")
+    t = Table(title=Text(f"expq inspect {s['source']}"), show_header=False, title_justify="left")
+    rows = [("architecture", f"{s['architecture']} (model_type {s['model_type']})"),
+            ("source format", s["source_format"]),
+            ("layout", f"{s['layout']} ({s['layout_rule']}), detected by {s['detected_by']}"),
+            ("config keys", ", ".join(f"{k} <- {v}" for k, v in s["config_keys"].items())),
+            ("layers", f"{s['num_layers']}: MoE {s['moe_layers']}, dense {s['dense_layers']}")]
     if s["extra_expert_layers_copied"]:
-        t.add_row("expert layers past num_layers (copied)", str(s["extra_expert_layers_copied"]))
-    t.add_row("routed experts per layer", f"{s['routed_experts_per_layer']} (top_k {s['top_k']})")
-    t.add_row("compute dtype", f"{s['compute_dtype']}: {s['compute_dtype_reason']}")
-    t.add_row("to quantize", f"{s['matrices_quantized']} matrices from {s['source_tensors_quantized']} tensors "
-                             f"({_human(s['bytes_quantized_in'])})")
-    t.add_row("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
-                         f"{len(s['side_files'])} side files")
+        rows.append(("expert layers past num_layers (copied)", str(s["extra_expert_layers_copied"])))
     n = s["output_shards"]
-    t.add_row("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")
+    rows += [("routed experts per layer", f"{s['routed_experts_per_layer']} (top_k {s['top_k']})"),
+             ("compute dtype", f"{s['compute_dtype']}: {s['compute_dtype_reason']}"),
+             ("to quantize", f"{s['matrices_quantized']} matrices from {s['source_tensors_quantized']} tensors "
+                             f"({_human(s['bytes_quantized_in'])})"),
+             ("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
+                         f"{len(s['side_files'])} side files"),
+             ("output format", s["format"]),
+             ("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
+    if s["source_tensors_decoded"]:
+        rows.append(("decoded from the source format", f"{s['source_tensors_decoded']} tensors"))
     if s["skipped_files"]:
-        t.add_row("not copied (other weight formats)", ", ".join(s["skipped_files"][:6]))
+        rows.append(("not copied (other weight formats)", ", ".join(s["skipped_files"][:6])))
+    for k, v in rows:
+        t.add_row(k, Text(v))
     out.print(t)
     if tensors:
         tt = Table("tensor", "dtype", "shape", "action")
         for row in s["tensors"]:
-            tt.add_row(row["name"], row["dtype"], str(row["shape"]), row["action"])
+            action = row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")
+            tt.add_row(Text(row["name"]), row["dtype"], str(row["shape"]), Text(action))
         out.print(tt)
 
 
@@ -201,49 +219,44 @@ def verify(
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
     from .verifier import verify as api_verify
 
-    try:
+    with errors_to_exit_codes():
         report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision)
-    except ExpqError as e:
-        if not isinstance(e, UsageError):
-            e.exit_code = 2  # unreadable input
-        _fail(e)
-        return
-    except BaseException as e:  # noqa: BLE001
-        _fail(e)
-        return
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
-        from rich import box
+        _print_verify(report)
+    raise typer.Exit(report.exit_code)
 
-        t = Table(title=f"expq verify {report.out}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  padding=(0, 1))
-        for col in ("layer", "experts", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
-            t.add_column(col, no_wrap=True, min_width=len(col))
-        fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
-        for r in report.layers:
-            bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
-                                                       f"{r.codes_differ}c/{r.scales_differ}s")
-            t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", bits,
-                      "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
-                      fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err),
-                      "[green]pass[/]" if r.ok else "[red]FAIL[/]")
-        out.print(t)
-        c = Table("check", "result", "detail", title="checks", title_justify="left")
-        for ch in report.checks:
-            c.add_row(ch.name, "[green]pass[/]" if ch.ok else "[red]FAIL[/]", ch.detail)
-        out.print(c)
-        out.print(f"row err: worst |w - q*s| over rows, in steps s ({report.activation_dtype} allows "
-                  f"{report.row_error_limit:.2f}: w/s is rounded to {report.activation_dtype} before round()); "
-                  "kernel / worst tok: relative error against the fp32 reference (layer / worst token); "
-                  "vs src: against the source experts", highlight=False)
-        out.print(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
-                  f"{report.tokens} tokens per layer; {report.seconds:.1f} s", highlight=False)
-        for p in report.problems[:10]:
-            err.print(f"  [red]problem:[/] {p}", highlight=False)
-        out.print(("[bold green]" if report.ok else "[bold red]") + report.verdict + "[/]", highlight=False)
-    if not report.ok:
-        raise typer.Exit(1)
+
+def _print_verify(report) -> None:
+    from rich import box
+
+    t = Table(title=Text(f"expq verify {report.out}"), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1))
+    for col in ("layer", "experts", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
+        t.add_column(col, no_wrap=True, min_width=len(col))
+    fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+    passed = lambda ok: Text("pass", style="green") if ok else Text("FAIL", style="red")  # noqa: E731
+    for r in report.layers:
+        bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
+                                                   f"{r.codes_differ}c/{r.scales_differ}s")
+        t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", bits,
+                  "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
+                  fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err), passed(r.ok))
+    out.print(t)
+    c = Table("check", "result", "detail", title="checks", title_justify="left")
+    for ch in report.checks:
+        c.add_row(Text(ch.name), passed(ch.ok), Text(ch.detail))
+    out.print(c)
+    out.print(Text(f"row err: worst |w - q*s| over rows, in steps s ({report.activation_dtype} allows "
+                   f"{report.row_error_limit:.2f}: w/s is rounded to {report.activation_dtype} before round()); "
+                   "kernel / worst tok: relative error against the fp32 reference (layer / worst token); "
+                   "vs src: against the source experts"))
+    out.print(Text(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
+                   f"{report.tokens} tokens per layer; {report.seconds:.1f} s"))
+    for p in report.problems[:10]:
+        err.print(Text("  problem: ", style="red") + Text(p))
+    out.print(Text(report.verdict, style="bold green" if report.ok else "bold red"))
 
 
 @app.command()
@@ -255,55 +268,17 @@ def run(
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: CUDA if available).")] = None,
 ) -> None:
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
-    import torch
+    from .runtime import generate
 
-    from .runtime import experts_nbytes, load_model
-
-    try:
-        if max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1")
-        if not prompt.strip():
-            raise UsageError("--prompt is empty")
-        if device is not None:
-            from .pipeline import parse_devices
-
-            parse_devices(device)  # a clear error for a device that is not there
-        model = load_model(out_dir, device=device)
-        tok = None
-        if any((out_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
-                                                  "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(out_dir)
-        dev = next(model.parameters()).device
-        vocab = model.get_input_embeddings().weight.shape[0]
-        if tok is not None:
-            ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
-        else:
-            try:
-                ids = torch.tensor([[int(x) for x in prompt.replace(",", " ").split()]], device=dev)
-            except ValueError:
-                raise UsageError("this checkpoint has no tokenizer: give --prompt as token ids, e.g. '1 2 3'") \
-                    from None
-            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-                raise UsageError(f"token ids must lie in [0, {vocab})")
-        if ids.shape[1] == 0:
-            raise UsageError("the prompt encodes to no tokens")
-        with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
-    except BaseException as e:  # noqa: BLE001
-        _fail(e)
-        return
-    new = gen[0, ids.shape[1]:].tolist()
-    nb = experts_nbytes(model)
-    err.print(f"{type(model).__name__}: routed experts int8 in memory ({_human(nb['experts'])}), "
-              f"rest {_human(nb['other'])}, on {dev}", highlight=False)
-    if tok is not None:
-        out.print(prompt + tok.decode(new, skip_special_tokens=True), highlight=False)
-        err.print(f"token ids: {new}", highlight=False)
+    with errors_to_exit_codes():
+        g = generate(out_dir, prompt, max_new_tokens=max_new_tokens, device=device)
+    err.print(Text(f"{g.model_class}: routed experts int8 in memory ({_human(g.experts_bytes)}), "
+                   f"rest {_human(g.other_bytes)}, on {g.device}"))
+    if g.text is not None:
+        out.print(Text(g.text))
+        err.print(Text(f"token ids: {g.new_ids}"))
     else:
-        out.print(" ".join(str(t) for t in new), highlight=False)
+        out.print(Text(" ".join(str(t) for t in g.new_ids)))
 
 
 @app.command()
@@ -324,43 +299,34 @@ def push(
     from .hub import push as api_push
     from .hub import report_json
 
-    try:
+    with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
                        commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
-    except BaseException as e:  # noqa: BLE001
-        _fail(e)
-        return
     if as_json:
         print(report_json(res))
         return
     if dry_run:
-        t = Table("file", "size", title=f"expq push --dry-run: would upload to {repo_id}", title_justify="left")
+        t = Table("file", "size", title=Text(f"expq push --dry-run: would upload to {repo_id}"), title_justify="left")
         for f in res.files:
-            t.add_row(f["path"], _human(f["size"]))
+            t.add_row(Text(f["path"]), _human(f["size"]))
         out.print(t)
-        out.print(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}",
-                  highlight=False)
+        out.print(Text(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}"))
         sys.stdout.write("\n--- README.md (model card) ---\n\n" + res.card + "\n")
         return
-    out.print(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
-              f"{' (' + res.revision + ')' if res.revision else ''}; remote sizes and hashes match",
-              highlight=False)
+    out.print(Text(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
+                   f"{' (' + res.revision + ')' if res.revision else ''}; remote sizes and hashes match"))
     for url in (res.pr_url, res.commit_url):
         if url:
-            out.print(url, highlight=False)
+            out.print(Text(url))
 
 
 def main() -> None:
     """Console-script entry point."""
     try:
-        app()
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001
-        try:
-            _fail(e)
-        except typer.Exit as ex:
-            sys.exit(ex.exit_code)
+        with errors_to_exit_codes():
+            app()
+    except typer.Exit as ex:
+        sys.exit(ex.exit_code)
 
 
 if __name__ == "__main__":

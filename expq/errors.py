@@ -54,3 +54,14 @@ class LayoutError(ExpqError):
 
 class NonFiniteError(ExpqError):
     """A routed-expert row holds NaN or infinity (refused unless ``allow_nonfinite``)."""
+
+
+class UnreadableInputError(ExpqError):
+    """A checkpoint that a check was asked to read cannot be read at all (exit status 2, like a usage error)."""
+
+    exit_code = 2
+
+    @classmethod
+    def from_error(cls, e: ExpqError) -> "UnreadableInputError":
+        """The same message and location, as an unreadable-input error."""
+        return cls(e.message, file=e.file, tensor=e.tensor, expert=e.expert, row=e.row, hint=e.hint)

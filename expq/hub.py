@@ -8,15 +8,16 @@ on 1.x), then a check that the remote files have the local sizes and hashes. The
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import __version__
 from .checkpoint import ConvertedCheckpoint
 from .errors import ExpqError, UsageError
-from .writer import MANIFEST, STAGING
+from .layouts import shared_facts
+from .manifest import MANIFEST, Manifest
+from .writer import STAGING
 
 TAGS = ["moe", "int8", "experts_int8", "compressed-tensors", "expq"]
 # Never uploaded: caches, staging and temporary files, VCS folders.
@@ -41,7 +42,6 @@ class PushReport:
     pr_url: str | None = None
     card: str = ""
     checked_remote: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,28 +63,25 @@ def local_files(out: Path) -> list[dict]:
 
 
 def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
+    """The file's sha256 (huggingface_hub's own hashing, as it computes LFS ids)."""
+    from huggingface_hub.utils.sha import sha_fileobj
+
     with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha_fileobj(f).hex()
 
 
 def _git_blob_sha1(p: Path) -> str:
-    h = hashlib.sha1()
-    h.update(f"blob {p.stat().st_size}\0".encode())
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """The git blob id the Hub reports for a small (non-LFS) file (huggingface_hub's ``git_hash``)."""
+    from huggingface_hub.utils.sha import git_hash
+
+    return git_hash(p.read_bytes())
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    """Decimal sizes, as the Hub shows them (rich's own formatter)."""
+    from rich.filesize import decimal
+
+    return decimal(int(n), precision=2)
 
 
 def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
@@ -92,112 +89,113 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
 
     The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo; its revision is in
     the body), ``base_model_relation: quantized``, ``library_name``, the tags, and the source card's licence and other
-    metadata. The body gives the scheme in words, what was quantized and what was kept, sizes, the exact expq command
-    and version, the verify results and how to serve it.
+    metadata. The body: the scheme in words, what was quantized and what was kept, how it was made, the verify
+    results, how to serve it.
+
+    Raises:
+        UsageError: OUT has no expq.json. SourceError: OUT is not a converted checkpoint, or its expq.json is not
+            valid.
     """
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     ck = ConvertedCheckpoint(out)
     m = ck.manifest
-    if not m:
+    if m is None:
         raise UsageError(f"no {MANIFEST} in OUT: not written by expq convert, so there is nothing true to say",
                          file=str(out))
-    plan = m.get("plan", {})
-    src = m.get("source", {})
-    carried = {k: v for k, v in (m.get("source_card") or {}).items()
+    name = repo_id.split("/")[-1]
+    lines = [f"# {name}", "", _card_intro(m), "", *_card_scheme(m), "", *_card_contents(ck, m), "",
+             *_card_how_made(ck, m, name), "", *_card_verification(m, verify_report), "",
+             *_card_usage(ck, m, repo_id)]
+    return str(ModelCard(f"---\n{_card_data(m).to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def _card_data(m: Manifest):
+    from huggingface_hub import ModelCardData
+
+    carried = {k: v for k, v in m.source_card.items()
                if k not in ("base_model", "base_model_relation", "tags", "library_name", "model-index",
                             "quantized_by")}
-    src_tags = (m.get("source_card") or {}).get("tags") or []
-    tags = list(dict.fromkeys([*src_tags, *TAGS]))
-    data = ModelCardData(base_model=src.get("repo_id") or None, library_name="transformers", tags=tags, **carried)
+    tags = list(dict.fromkeys([*(m.source_card.get("tags") or []), *TAGS]))
+    data = ModelCardData(base_model=m.source.repo_id or None, library_name="transformers", tags=tags, **carried)
     data.base_model_relation = "quantized"
-    name = repo_id.split("/")[-1]
-    fam = plan.get("layout", "?")
-    E = plan.get("routed_experts_per_layer")
-    moe = plan.get("moe_layers", [])
-    dense = plan.get("dense_layers", [])
-    extra = plan.get("extra_expert_layers_copied", [])
-    rows = m.get("rows", {})
-    bytes_in, bytes_out = plan.get("bytes_in", 0), plan.get("bytes_out", 0)
-    q_in, q_out = plan.get("bytes_quantized_in", 0), m.get("quantized_bytes_out", 0)
-    base = src.get("repo_id") or src.get("name")
-    rev = f" at revision `{src.get('commit') or src.get('revision')}`" if src.get("repo_id") else ""
-    lines = [
-        f"# {name}",
-        "",
-        f"[{base}](https://huggingface.co/{base}){rev} with its **routed experts quantized to int8** exactly as "
-        "vLLM's `experts_int8` method quantizes them at load time, so you download, store and load about half the "
-        "expert bytes and skip the online step. Everything else is byte-for-byte the original." if src.get("repo_id")
-        else f"`{base}` with its **routed experts quantized to int8** exactly as vLLM's `experts_int8` method "
-             "quantizes them at load time. Everything else is byte-for-byte the original.",
-        "",
-        "## Quantization scheme",
-        "",
-        f"Per routed-expert weight matrix `w` [out, in], in the compute dtype `{plan.get('compute_dtype')}` "
-        f"({plan.get('compute_dtype_reason')}): `scale = amax(|w|, dim=1) / 127` (one scale per output row), "
-        "`q = clamp(round(w / scale), -127, 127)` with round-half-to-even: symmetric int8, per-channel, weight-only "
-        "(activations stay 16-bit, W8A16). The codes and scales are bit-identical to vLLM's `experts_int8` on CUDA. "
-        "All-zero rows get scale 0 and codes 0. Stored as compressed-tensors `pack-quantized` (8-bit int, "
-        "`strategy: channel`, `group_size: -1`): per expert projection `weight_packed` int32, `weight_scale` "
-        f"[out, 1] in {plan.get('compute_dtype')}, `weight_shape`.",
-        "",
-        "## What was quantized and what was kept",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| architecture | `{plan.get('architecture')}` (`{plan.get('model_type')}`, {fam} layout) |",
-        f"| routed experts | {len(moe)} MoE layers x {E} experts x 3 projections (gate, up, down) = "
-        f"{plan.get('matrices_quantized')} matrices, int8 |",
-        f"| kept as they were (byte-identical) | {plan.get('source_tensors_copied')} tensors: "
-        f"{_kept_summary(ck, dense, extra)} |",
-        f"| experts | {_human(q_in)} -> {_human(q_out)} |",
-        f"| whole checkpoint | {_human(bytes_in)} -> {_human(bytes_out)} |",
-        f"| zero rows / underflowed scales | {rows.get('zero', 0)} / {rows.get('underflow', 0)} |",
-        "",
-        "## How it was made",
-        "",
-        "```bash",
-        f"pip install expq=={m.get('expq_version', __version__)}",
-        (m.get("command") or "expq convert SRC OUT").replace(" OUT", " " + name, 1),
-        "```",
-        "",
-        f"expq {m.get('expq_version')}, compressed-tensors config version "
-        f"{ck.quantization_config.get('version', '?')}.",
-        "",
-        "## Verification",
-        "",
-    ]
-    if verify_report is None:
-        lines.append("Not verified at push time (`--skip-verify`). Run `expq verify . --source "
-                     f"{base}` to check it.")
-    else:
-        lines.append(f"`expq verify` at push time: **{verify_report.verdict}**")
-        lines.append("")
-        lines.append("| check | result |")
-        lines.append("|---|---|")
-        for c in verify_report.checks:
-            lines.append(f"| {c.name} | {'pass' if c.ok else 'FAIL'} |")
-        errs = [r.kernel_rel_err for r in verify_report.layers if r.kernel_rel_err is not None]
-        if errs:
-            lines.append("")
-            lines.append(f"Fused-MoE int8 kernel ({verify_report.backend}, {verify_report.activation_dtype}) against "
-                         f"an fp32 reference, every expert exercised: worst layer relative error {max(errs):.2e}.")
-    lines += ["", "## How to use it", "", "### vLLM", ""]
-    hidden = plan.get("hidden_size")
+    return data
+
+
+def _card_intro(m: Manifest) -> str:
+    src = m.source
+    if src.repo_id:
+        return (f"[{src.repo_id}](https://huggingface.co/{src.repo_id}) at revision "
+                f"`{src.commit or src.revision}` with its **routed experts quantized to int8** exactly as vLLM's "
+                "`experts_int8` method quantizes them at load time, so you download, store and load about half the "
+                "expert bytes and skip the online step. Everything else is byte-for-byte the original.")
+    return (f"`{src.name}` with its **routed experts quantized to int8** exactly as vLLM's `experts_int8` method "
+            "quantizes them at load time. Everything else is byte-for-byte the original.")
+
+
+def _card_scheme(m: Manifest) -> list[str]:
+    p = m.plan
+    return ["## Quantization scheme", "",
+            f"Per routed-expert weight matrix `w` [out, in], in the compute dtype `{p.compute_dtype}` "
+            f"({p.compute_dtype_reason}): `scale = amax(|w|, dim=1) / 127` (one scale per output row), "
+            "`q = clamp(round(w / scale), -127, 127)` with round-half-to-even: symmetric int8, per-channel, "
+            "weight-only (activations stay 16-bit, W8A16). The codes and scales are bit-identical to vLLM's "
+            "`experts_int8` on CUDA. All-zero rows get scale 0 and codes 0. Stored as compressed-tensors "
+            "`pack-quantized` (8-bit int, `strategy: channel`, `group_size: -1`): per expert projection "
+            f"`weight_packed` int32, `weight_scale` [out, 1] in {p.compute_dtype}, `weight_shape`."]
+
+
+def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
+    p = m.plan
+    return ["## What was quantized and what was kept", "", "| | |", "|---|---|",
+            f"| architecture | `{p.architecture}` (`{p.model_type}`, {p.layout} layout) |",
+            f"| routed experts | {len(p.moe_layers)} MoE layers x {p.routed_experts_per_layer} experts x 3 "
+            f"projections (gate, up, down) = {p.matrices_quantized} matrices, int8 |",
+            f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: "
+            f"{_kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)} |",
+            f"| experts | {_human(p.bytes_quantized_in)} -> {_human(m.quantized_bytes_out)} |",
+            f"| whole checkpoint | {_human(p.bytes_in)} -> {_human(p.bytes_out)} |",
+            f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
+
+
+def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]:
+    return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
+            (m.command or "expq convert SRC OUT").replace(" OUT", " " + name, 1), "```", "",
+            f"expq {m.expq_version}, compressed-tensors config version "
+            f"{ck.quantization_config.get('version', '?')}."]
+
+
+def _card_verification(m: Manifest, report) -> list[str]:
+    lines = ["## Verification", ""]
+    if report is None:
+        return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source "
+                        f"{m.source.repo_id or m.source.name}` to check it."]
+    lines += [f"`expq verify` at push time: **{report.verdict}**", "", "| check | result |", "|---|---|"]
+    lines += [f"| {c.name} | {'pass' if c.ok else 'FAIL'} |" for c in report.checks]
+    errs = [r.kernel_rel_err for r in report.layers if r.kernel_rel_err is not None]
+    if errs:
+        lines += ["", f"Fused-MoE int8 kernel ({report.backend}, {report.activation_dtype}) against an fp32 "
+                      f"reference, every expert exercised: worst layer relative error {max(errs):.2e}."]
+    return lines
+
+
+def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]:
+    advice = shared_facts().vllm
+    lines = ["## How to use it", "", "### vLLM", ""]
+    hidden = m.plan.hidden_size
     if ck.layout.stock_vllm:
         lines.append(f"Stock vLLM cannot serve this family in this format: {ck.layout.stock_vllm}. Use "
                      "`expq.load_model` below, or vLLM's online `--quantization experts_int8` on the base model.")
-    elif hidden and hidden % 128:
+    elif hidden and hidden % advice.marlin_hidden_multiple:
         lines.append(f"vLLM runs this format's int8 experts through Marlin, which needs the hidden size to be a "
-                     f"multiple of 128; this model's is {hidden}, so stock vLLM cannot serve it. Use "
-                     "`expq.load_model` below, or vLLM's online `--quantization experts_int8` on the base model.")
+                     f"multiple of {advice.marlin_hidden_multiple}; this model's is {hidden}, so stock vLLM cannot "
+                     "serve it. Use `expq.load_model` below, or vLLM's online `--quantization experts_int8` on the "
+                     "base model.")
     else:
         lines += ["```bash", f"vllm serve {repo_id}", "```", "",
                   "vLLM reads the `quantization_config` and runs the experts through its W8A16 MoE path (Marlin, "
-                  "which needs the hidden size to be a multiple of 128). On H100/H200 with vLLM 0.32-0.33 add "
-                  "`--moe-backend marlin` (the default backend choice rejects channel-wise int8 there). The scales "
-                  "are full-row, which matches vLLM's own experts_int8 at any tensor-parallel size from vLLM 0.28 "
-                  "on. ROCm has no Marlin and no channel-wise int8 MoE path."]
+                  f"which needs the hidden size to be a multiple of {advice.marlin_hidden_multiple}). "
+                  f"{advice.backend_note} {advice.tp_scales_note} {advice.rocm_note}"]
         if ck.layout.vllm_note:
             lines += ["", f"Note: {ck.layout.vllm_note}."]
     lines += ["", "### transformers", ""]
@@ -208,33 +206,21 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
         lines += ["```python", "from transformers import AutoModelForCausalLM",
                   f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")  # experts dequantized to 16-bit at load',
                   "```"]
-    lines += ["", "### expq (experts kept int8 in memory)", "", "```python", "import expq",
-              "from huggingface_hub import snapshot_download",
-              f'model = expq.load_model(snapshot_download("{repo_id}"))  # int8 experts, fused-MoE kernel',
-              "```", ""]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
-    return str(card)
-
-
-KEPT_KINDS = (  # (label, substrings of a tensor name), first match wins
-    ("routers / gates", (".gate.", ".router.", "router.", "shared_expert_gate", "e_score_correction_bias")),
-    ("shared experts", ("shared_expert", "shared_mlp")),
-    ("expert biases", ("_bias",)),
-    ("attention", ("attn", "attention", "Wqkv")),
-    ("embeddings", ("embed", "wte")),
-    ("lm_head", ("lm_head",)),
-    ("norms", ("norm", "ln_")),
-    ("dense MLP", ("mlp.", "feed_forward.", "ffn.")),
-)
+    return lines + ["", "### expq (experts kept int8 in memory)", "", "```python", "import expq",
+                    "from huggingface_hub import snapshot_download",
+                    f'model = expq.load_model(snapshot_download("{repo_id}"))  # int8 experts, fused-MoE kernel',
+                    "```", ""]
 
 
 def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
-    """What the copied tensors are, by kind, with counts (from the tensor names actually in OUT)."""
+    """What the copied tensors are, by kind (``configs/_shared.toml``'s kept_kinds), with counts, from the tensor
+    names actually in OUT."""
+    kinds = shared_facts().kept_kinds
     counts: dict[str, int] = {}
     for name in ck.tensors:
-        if name.rsplit(".", 1)[-1] in ("weight_packed", "weight_scale", "weight_shape"):
+        if ck.format.owns(name):
             continue
-        label = next((lab for lab, keys in KEPT_KINDS if any(k in name for k in keys)), "other")
+        label = next((k.label for k in kinds if any(c in name for c in k.contains)), "other")
         counts[label] = counts.get(label, 0) + 1
     parts = [f"{lab} ({n})" for lab, n in counts.items()]
     if dense:
@@ -287,7 +273,6 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     ck = ConvertedCheckpoint(out)  # raises if OUT is not a converted checkpoint
     del ck
     report = None
-    notes = []
     if not skip_verify:
         from .verifier import verify
 
@@ -302,7 +287,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     total = sum(f["size"] for f in files)
     res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
                      verified=None if report is None else report.ok,
-                     verify_verdict=None if report is None else report.verdict, card=card, notes=notes)
+                     verify_verdict=None if report is None else report.verdict, card=card)
     if dry_run:
         return res
     tok = _token(token)  # before anything is written

@@ -1,31 +1,40 @@
-"""Where each architecture keeps its routed experts: layout files in ``configs/`` and the few rules that read them.
+"""Where each architecture keeps its routed experts: layout files in ``configs/``, their schema, and the few rules
+that read them.
 
 A layout file (TOML) names the model types it covers, the config keys that give the expert count, layer count, sizes
-and which layers are MoE layers, and where the experts' tensors are (see ``configs/README.md`` for every key). The
-code here holds only the rules the files refer to:
+and which layers are MoE layers, and where the experts' tensors are (see ``configs/README.md`` for every key). It is
+validated by the frozen pydantic models below (unknown keys and wrong types are errors naming the file and key). The
+code holds only the rules the files refer to:
 
 * ``per_expert``: one 2-D ``[out, in]`` tensor per expert and projection, ``<layers>.<L>.<module>.<e>.<proj>.weight``;
 * ``stacked``: 3-D tensors ``[E, out, in]`` (orientation ``out_in``) or ``[E, in, out]`` (``in_out``), with gate and up
   fused (gate rows first, ``concat``, or alternating, ``interleaved``) or separate; ``flat = true`` for tensors stored
   as ``[E*rows, cols]`` (DBRX).
 
+Facts shared by every family (nested config sections, MTP layer keys, what kinds of tensors are kept, the clients'
+caveats) live in ``configs/_shared.toml`` and are read by ``shared_facts()``.
+
 Orientation is never inferred from shape: a layout fixes it. Where a layout admits two orientations (two writers
-disagree), the config's hidden and intermediate sizes decide, and a shape that fits both is an error.
+disagree), the config's hidden and intermediate sizes decide (``experts.py``), and a shape that fits both is an error.
 """
 
 from __future__ import annotations
 
-import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from .errors import LayoutError
 
 CONFIGS_DIR = Path(__file__).parent / "configs"  # a link to the repository's configs/; a real folder in a wheel
+SHARED_FILE = "_shared.toml"
 PROJECTIONS = ("gate", "up", "down")
 ORIENTATIONS = ("out_in", "in_out")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 # Config keys that say which decoder layers are MoE layers; a layout lists the ones its family uses.
 MOE_LAYER_RULES = (
@@ -38,7 +47,141 @@ MOE_LAYER_RULES = (
     "mlp_layer_types",  # Bailing hybrid: mlp_layer_types[L] == "sparse"
 )
 
+# --- the layout file schema ------------------------------------------------------------------------------------------
+Name = Annotated[str, StringConstraints(min_length=1)]
+Names = Union[Name, Annotated[list[Name], Field(min_length=1)]]
+NAMES = "a non-empty string or list of strings"
 
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class StackedSpec(_Schema):
+    """``experts.<part> = { name, orientation, order, flat }`` of a stacked layout."""
+
+    name: Name = Field(description="a tensor name (non-empty string)")
+    orientation: Union[Literal["out_in", "in_out"], Annotated[list[Literal["out_in", "in_out"]], Field(min_length=1)]] \
+        = Field(description="out_in and/or in_out")
+    order: Literal["concat", "interleaved"] = Field("concat", description="concat or interleaved")
+    flat: bool = Field(False, description="true or false")
+
+
+class ConfigSection(_Schema):
+    """``[config]``: which config.json keys hold each number, and the family's MoE rules."""
+
+    num_experts: Names = Field(description=NAMES)
+    num_layers: Names = Field("num_hidden_layers", description=NAMES)
+    hidden_size: Names = Field("hidden_size", description=NAMES)
+    intermediate_size: Names = Field(description=NAMES)
+    top_k: Names = Field("num_experts_per_tok", description=NAMES)
+    moe_layer_rules: list[Literal[MOE_LAYER_RULES]] = Field([], description=f"a list of {', '.join(MOE_LAYER_RULES)}")
+    activation: Literal[ACTIVATIONS] = Field("silu", description=f"one of {', '.join(ACTIVATIONS)}")
+    router_weight_on_input: bool = Field(False, description="true or false")
+
+
+class ExpertsSection(_Schema):
+    """``[experts]``: where the routed experts are in the source."""
+
+    rule: Literal["per_expert", "stacked"] = Field(description="per_expert or stacked")
+    layers: Name = Field("layers", description="a non-empty string")
+    module: Name = Field(description="a non-empty string (the experts module inside a decoder layer)")
+    gate: Union[Name, StackedSpec, None] = Field(None, description="a projection name (string) or, for a stacked "
+                                                                  "layout, a tensor table")
+    up: Union[Name, StackedSpec, None] = Field(None, description="a projection name (string) or, for a stacked "
+                                                                "layout, a tensor table")
+    down: Union[Name, StackedSpec, None] = Field(None, description="a projection name (string) or, for a stacked "
+                                                                  "layout, a tensor table")
+    gate_up: StackedSpec | None = Field(None, description="a tensor table")
+    biases: Names | None = Field(None, description=NAMES)
+
+    @model_validator(mode="after")
+    def _parts_fit_the_rule(self) -> "ExpertsSection":
+        if self.rule == "per_expert":
+            for p in PROJECTIONS:
+                v = getattr(self, p)
+                if not isinstance(v, str):
+                    raise ValueError(f"experts.{p} must be a projection name (string), got {v!r}")
+            if self.gate_up is not None:
+                raise ValueError("experts.gate_up is for stacked layouts")
+        else:
+            parts = {k for k in ("gate_up", "gate", "up", "down") if getattr(self, k) is not None}
+            if parts not in ({"gate_up", "down"}, {"gate", "up", "down"}) or any(
+                    isinstance(getattr(self, k), str) for k in parts):
+                raise ValueError("a stacked layout needs experts.gate_up and experts.down, or experts.gate, "
+                                 "experts.up and experts.down, each a tensor table")
+        return self
+
+
+class OutputSection(_Schema):
+    """``[output]``: the per-expert module names the output uses (stock clients' names)."""
+
+    module: Name | None = Field(None, description="a non-empty string with {expert}")
+    gate: Name | None = Field(None, description="a non-empty string")
+    up: Name | None = Field(None, description="a non-empty string")
+    down: Name | None = Field(None, description="a non-empty string")
+    targets_container: Name = Field("experts", description="a non-empty string")
+
+
+class RuntimeSection(_Schema):
+    """``[runtime]``: transformers' in-memory experts module and its calling convention."""
+
+    module: Name | None = Field(None, description="a non-empty string")
+    forward: Literal["topk", "dense_premultiplied"] = Field("topk", description="topk or dense_premultiplied")
+
+
+class ClientsSection(_Schema):
+    """``[clients]``: what stock clients do with the compressed-tensors output for this family."""
+
+    transformers: bool = Field(True, description="true or false")
+    vllm: str = Field("", description="a string (why stock vLLM cannot serve it; empty when it can)")
+    vllm_note: str = Field("", description="a string")
+
+
+class LayoutFile(_Schema):
+    """A whole layout file."""
+
+    name: Name = Field(description="a non-empty string")
+    summary: str = Field("", description="a string")
+    model_types: Names | None = Field(None, description=NAMES)
+    architectures: Names | None = Field(None, description=NAMES)
+    config: ConfigSection = Field(description="a table")
+    experts: ExpertsSection = Field(description="a table")
+    output: OutputSection = Field(OutputSection(), description="a table")
+    runtime: RuntimeSection = Field(RuntimeSection(), description="a table")
+    clients: ClientsSection = Field(ClientsSection(), description="a table")
+
+
+_SECTIONS: dict[str, type[_Schema]] = {"": LayoutFile, "config": ConfigSection, "experts": ExpertsSection,
+                                       "output": OutputSection, "runtime": RuntimeSection,
+                                       "clients": ClientsSection, "stacked": StackedSpec}
+
+
+def _schema_error(e: ValidationError, path: str) -> LayoutError:
+    """The first schema error as one line naming the key (today's messages: unknown key, missing key, must be)."""
+    err = e.errors()[0]
+    fields = {f for m in _SECTIONS.values() for f in m.model_fields}
+    raw = [str(x) for x in err["loc"]]
+    loc = [x for x in raw if x.isdigit() or x in fields]
+    if err["type"] == "extra_forbidden":  # the unknown key itself is last
+        loc = [x for x in raw[:-1] if x.isdigit() or x in fields] + raw[-1:]
+    key = ".".join(x for x in loc if not x.isdigit())
+    if err["type"] == "extra_forbidden":
+        parent = ".".join(loc[:-1])
+        model = _SECTIONS.get(parent, StackedSpec if parent.startswith("experts.") else LayoutFile)
+        return LayoutError(f"unknown key {key} (known: {', '.join(sorted(model.model_fields))})", file=path)
+    if err["type"] == "missing":
+        return LayoutError(f"missing key {key}", file=path)
+    if err["type"] == "value_error":
+        return LayoutError(str(err["msg"]).removeprefix("Value error, "), file=path)
+    section, _, field = key.rpartition(".")
+    model = _SECTIONS.get(section) or (StackedSpec if section.startswith("experts.") else LayoutFile)
+    info = model.model_fields.get(field)
+    what = info.description if info is not None and info.description else str(err["msg"]).lower()
+    return LayoutError(f"{key} must be {what}, got {err.get('input')!r}", file=path)
+
+
+# --- the layout the rest of expq reads -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StackedTensor:
     """One stacked expert tensor of a ``stacked`` layout (relative to the experts module)."""
@@ -76,45 +219,12 @@ class Layout:
     stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
     vllm_note: str = ""  # a caveat for some model types of the family
     source_text: str = ""  # the layout file's text (carried in expq.json)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def expert_regex(self) -> re.Pattern[str]:
-        """Regex over source tensor names that matches this layout's routed-expert weight tensors.
-
-        Groups: ``prefix`` (everything up to the decoder layer container), ``layer``, and for ``per_expert``
-        ``expert`` and ``proj`` (the source projection name); for ``stacked``, ``tensor`` (the stacked tensor name).
-        """
-        head = rf"^(?P<prefix>(?:.*\.)?){re.escape(self.layers)}\.(?P<layer>\d+)\.{re.escape(self.module)}\."
-        if self.rule == "per_expert":
-            names = "|".join(re.escape(n) for n in self.proj_names.values())
-            return re.compile(head + rf"(?P<expert>\d+)\.(?P<proj>{names})\.weight$")
-        names = "|".join(re.escape(t.name) for t in self.stacked.values())
-        return re.compile(head + rf"(?P<tensor>{names})$")
-
-    def out_module_name(self, prefix: str, layer: int, expert: int, proj: str) -> str:
-        """Output module name of one routed expert projection, e.g. ``model.layers.3.mlp.experts.7.gate_proj``."""
-        mod = self.out_module.format(expert=expert)
-        return f"{prefix}{self.layers}.{layer}.{mod}.{self.out_names[proj]}"
 
 
 def _tuple(v: Any) -> tuple:
     if v is None:
         return ()
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
-
-
-# Every key a layout file may have (a typo is an error, not a silent default).
-_KEYS = {
-    "": {"name", "summary", "model_types", "architectures", "config", "experts", "output", "runtime", "clients"},
-    "config": {"num_experts", "num_layers", "hidden_size", "intermediate_size", "top_k", "moe_layer_rules",
-               "activation", "router_weight_on_input"},
-    "experts": {"rule", "layers", "module", "gate", "up", "down", "gate_up", "biases"},
-    "output": {"module", "gate", "up", "down", "targets_container"},
-    "runtime": {"module", "forward"},
-    "clients": {"transformers", "vllm", "vllm_note"},
-    "stacked": {"name", "orientation", "order", "flat"},
-}
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 
 def load_layout(path: str | Path) -> Layout:
@@ -127,15 +237,17 @@ def load_layout(path: str | Path) -> Layout:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise LayoutError("layout file not found", file=path) from None
+        raise LayoutError("layout file not found", file=str(path)) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise LayoutError(f"cannot read the layout file: {type(e).__name__}", file=path) from None
+        raise LayoutError(f"cannot read the layout file: {type(e).__name__}", file=str(path)) from None
     return parse_layout(text, str(path))
 
 
 def parse_layout(text: str, path: str = "<layout>") -> Layout:
     """Parse and validate a layout (TOML text; ``path`` names it in errors). The text is kept in
     ``Layout.source_text`` so that a converted checkpoint can carry the layout it was made with.
+
+    Steps: read the TOML, validate it against ``LayoutFile``, build the ``Layout``.
 
     Raises:
         LayoutError: not TOML, an unknown key, a missing required key, or a value of the wrong type or range
@@ -145,144 +257,103 @@ def parse_layout(text: str, path: str = "<layout>") -> Layout:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(f"not a valid TOML layout: {e}", file=path) from None
+    try:
+        f = LayoutFile.model_validate(data)
+    except ValidationError as e:
+        raise _schema_error(e, path) from None
+    return _layout_from_schema(f, path, text)
 
-    def check_keys(d: Any, section: str, allowed: set[str]) -> None:
-        if not isinstance(d, dict):
-            raise LayoutError(f"{section or 'the file'} must be a table", file=path)
-        unknown = sorted(set(d) - allowed)
-        if unknown:
-            raise LayoutError(f"unknown key {(section + '.') if section else ''}{unknown[0]} (known: "
-                              f"{', '.join(sorted(allowed))})", file=path)
 
-    def need(d: dict, key: str, where: str) -> Any:
-        if key not in d:
-            raise LayoutError(f"missing key {where}{key}", file=path)
-        return d[key]
-
-    def strings(v: Any, key: str) -> None:
-        vals = v if isinstance(v, list) else [v]
-        if not vals or not all(isinstance(x, str) and x for x in vals):
-            raise LayoutError(f"{key} must be a non-empty string or list of strings, got {v!r}", file=path)
-
-    check_keys(data, "", _KEYS[""])
-    for sec in ("config", "experts", "output", "runtime", "clients"):
-        if sec in data:
-            check_keys(data[sec], sec, _KEYS[sec])
-    for sec, keys in (("config", ("num_experts", "num_layers", "hidden_size", "intermediate_size", "top_k")),
-                      ("experts", ("layers", "module")), ("output", ("module", "gate", "up", "down",
-                                                                     "targets_container")),
-                      ("runtime", ("module", "forward"))):
-        for k in keys:
-            if k in data.get(sec, {}):
-                strings(data[sec][k], f"{sec}.{k}")
-    for k in ("name", "model_types", "architectures"):
-        if k in data:
-            strings(data[k], k)
-    act = data.get("config", {}).get("activation", "silu")
-    if act not in ACTIVATIONS:
-        raise LayoutError(f"config.activation must be one of {', '.join(ACTIVATIONS)}, got {act!r}", file=path)
-
-    ex = need(data, "experts", "")
-    cfg = data.get("config", {})
-    rule = need(ex, "rule", "experts.")
-    if rule not in ("per_expert", "stacked"):
-        raise LayoutError(f"experts.rule must be per_expert or stacked, got {rule!r}", file=path)
-    need(ex, "module", "experts.")
+def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
+    ex, cfg, out = f.experts, f.config, f.output
     proj_names: dict[str, str] = {}
     stacked: dict[str, StackedTensor] = {}
-    if rule == "per_expert":
-        for p in PROJECTIONS:
-            proj_names[p] = need(ex, p, "experts.")
-            if not isinstance(proj_names[p], str) or not proj_names[p]:
-                raise LayoutError(f"experts.{p} must be a projection name (string), got {proj_names[p]!r}",
-                                  file=path)
+    if ex.rule == "per_expert":
+        proj_names = {p: getattr(ex, p) for p in PROJECTIONS}
     else:
-        parts = [k for k in ("gate_up", "gate", "up", "down") if k in ex]
-        if set(parts) not in ({"gate_up", "down"}, {"gate", "up", "down"}):
-            raise LayoutError("a stacked layout needs experts.gate_up and experts.down, or experts.gate, "
-                              "experts.up and experts.down", file=path)
-        for k in parts:
-            t = ex[k]
-            check_keys(t, f"experts.{k}", _KEYS["stacked"])
-            strings(need(t, "name", f"experts.{k}."), f"experts.{k}.name")
-            ors = _tuple(need(t, "orientation", f"experts.{k}."))
-            if not ors or any(o not in ORIENTATIONS for o in ors):
-                raise LayoutError(f"experts.{k}.orientation must be out_in and/or in_out, got {ors}", file=path)
-            order = t.get("order", "concat")
-            if order not in ("concat", "interleaved"):
-                raise LayoutError(f"experts.{k}.order must be concat or interleaved", file=path)
-            stacked[k] = StackedTensor(name=need(t, "name", f"experts.{k}."), orientations=ors, order=order,
-                                       flat=bool(t.get("flat", False)))
-    out = data.get("output", {})
-    out_names = {p: out.get(p, proj_names.get(p, f"{p}_proj")) for p in PROJECTIONS}
-    keys = {
-        "num_experts": _tuple(need(cfg, "num_experts", "config.")),
-        "num_layers": _tuple(cfg.get("num_layers", "num_hidden_layers")),
-        "hidden_size": _tuple(cfg.get("hidden_size", "hidden_size")),
-        "intermediate_size": _tuple(need(cfg, "intermediate_size", "config.")),
-        "top_k": _tuple(cfg.get("top_k", "num_experts_per_tok")),
-    }
-    rules = _tuple(cfg.get("moe_layer_rules", ()))
-    unknown = [r for r in rules if r not in MOE_LAYER_RULES]
-    if unknown:
-        raise LayoutError(f"unknown config.moe_layer_rules {unknown}; known: {list(MOE_LAYER_RULES)}", file=path)
+        for k in ("gate_up", "gate", "up", "down"):
+            t = getattr(ex, k)
+            if t is not None:
+                stacked[k] = StackedTensor(t.name, _tuple(t.orientation), t.order, t.flat)
+    out_names = {p: getattr(out, p) or proj_names.get(p, f"{p}_proj") for p in PROJECTIONS}
+    keys = {k: _tuple(getattr(cfg, k)) for k in ("num_experts", "num_layers", "hidden_size", "intermediate_size",
+                                                 "top_k")}
     return Layout(
-        name=need(data, "name", ""),
-        path=path,
-        model_types=_tuple(data.get("model_types")),
-        architectures=_tuple(data.get("architectures")),
-        rule=rule,
-        layers=ex.get("layers", "layers"),
-        module=need(ex, "module", "experts."),
-        proj_names=proj_names,
-        stacked=stacked,
-        out_module=out.get("module", ex["module"] + ".{expert}"),
-        out_names=out_names,
-        keys=keys,
-        moe_layer_rules=rules,
-        activation=cfg.get("activation", "silu"),
-        expert_biases=_tuple(ex.get("biases")),
-        targets_container=out.get("targets_container", "experts"),
-        router_weight_on_input=bool(cfg.get("router_weight_on_input", False)),
-        runtime_module=data.get("runtime", {}).get("module", ex["module"]),
-        runtime_forward=_runtime_forward(data.get("runtime", {}).get("forward", "topk"), path),
-        stock_transformers=bool(data.get("clients", {}).get("transformers", True)),
-        stock_vllm=str(data.get("clients", {}).get("vllm", "")),
-        vllm_note=str(data.get("clients", {}).get("vllm_note", "")),
-        source_text=text,
-        extra={k: v for k, v in data.items() if k not in ("name", "model_types", "architectures", "experts",
-                                                          "config", "output", "runtime", "clients")},
-    )
+        name=f.name, path=path, model_types=_tuple(f.model_types), architectures=_tuple(f.architectures),
+        rule=ex.rule, layers=ex.layers, module=ex.module, proj_names=proj_names, stacked=stacked,
+        out_module=out.module or ex.module + ".{expert}", out_names=out_names, keys=keys,
+        moe_layer_rules=tuple(cfg.moe_layer_rules), activation=cfg.activation, expert_biases=_tuple(ex.biases),
+        targets_container=out.targets_container, router_weight_on_input=cfg.router_weight_on_input,
+        runtime_module=f.runtime.module or ex.module, runtime_forward=f.runtime.forward,
+        stock_transformers=f.clients.transformers, stock_vllm=f.clients.vllm, vllm_note=f.clients.vllm_note,
+        source_text=text)
 
 
-def _runtime_forward(value: str, path: str) -> str:
-    if value not in ("topk", "dense_premultiplied"):
-        raise LayoutError(f"runtime.forward must be topk or dense_premultiplied, got {value!r}", file=path)
-    return value
+@cache
+def builtin_layouts() -> tuple[Layout, ...]:
+    """Every layout shipped in ``configs/``, sorted by file name (``_shared.toml`` is not a layout)."""
+    return tuple(load_layout(p) for p in sorted(CONFIGS_DIR.glob("*.toml")) if not p.name.startswith("_"))
 
 
-def builtin_layouts() -> list[Layout]:
-    """Every layout shipped in ``configs/``, sorted by name."""
-    return [load_layout(p) for p in sorted(CONFIGS_DIR.glob("*.toml"))]
+def builtin_layout(name: str) -> Layout | None:
+    """The shipped layout called ``name``, or None."""
+    return next((lay for lay in builtin_layouts() if lay.name == name), None)
 
 
-NESTED_CONFIG_SECTIONS = ("text_config", "language_config", "llm_config")
+# --- facts shared by every family: configs/_shared.toml ---------------------------------------------------------------
+class KeptKind(_Schema):
+    label: Name
+    contains: list[Name]
+
+
+class VllmAdvice(_Schema):
+    marlin_hidden_multiple: int
+    marlin_intermediate_multiple: int
+    backend_note: str
+    rocm_note: str
+    tp_scales_note: str
+
+
+class SharedFacts(_Schema):
+    """``configs/_shared.toml``: facts that hold for every family."""
+
+    nested_config_sections: list[Name]
+    mtp_layer_keys: list[Name]
+    kept_kinds: list[KeptKind]
+    vllm: VllmAdvice
+
+
+@cache
+def shared_facts() -> SharedFacts:
+    """The shared facts file, validated.
+
+    Raises:
+        LayoutError: the file is missing or does not validate (names the key).
+    """
+    path = CONFIGS_DIR / SHARED_FILE
+    try:
+        return SharedFacts.model_validate(tomllib.loads(path.read_text()))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise LayoutError(f"cannot read the shared facts file: {e}", file=str(path)) from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise LayoutError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", file=str(path)) from None
 
 
 def nested_configs(config: dict) -> list[tuple[str, dict]]:
-    """The nested model configs of a multimodal/wrapper ``config.json`` (``text_config``...), as (key, dict)."""
-    return [(n, config[n]) for n in NESTED_CONFIG_SECTIONS if isinstance(config.get(n), dict)]
+    """The nested model configs of a multimodal/wrapper ``config.json`` (``text_config``...), as (key, dict), in
+    the order ``configs/_shared.toml`` lists them."""
+    return [(n, config[n]) for n in shared_facts().nested_config_sections if isinstance(config.get(n), dict)]
 
 
 def config_lookup(config: dict, keys: tuple[str, ...]) -> tuple[Any, str | None]:
     """The value of the first of ``keys`` (in priority order; dotted paths allowed) present in ``config``, looking at
-    the top level and then in a nested ``text_config`` / ``language_config`` / ``llm_config``.
+    the top level and then in the nested configs (``nested_configs``).
 
     Returns:
         (value, "scope.key") or (None, None) when no key is present.
     """
-    scopes = [("", config)] + [(f"{n}.", config[n]) for n in ("text_config", "language_config", "llm_config")
-                               if isinstance(config.get(n), dict)]
+    scopes = [("", config)] + [(f"{n}.", c) for n, c in nested_configs(config)]
     for key in keys:
         for scope_name, scope in scopes:
             cur: Any = scope
@@ -293,36 +364,31 @@ def config_lookup(config: dict, keys: tuple[str, ...]) -> tuple[Any, str | None]
     return None, None
 
 
-def detect_layout(config: dict, layouts: list[Layout] | None = None) -> tuple[Layout, str]:
+def detect_layout(config: dict, layouts: tuple[Layout, ...] | None = None) -> tuple[Layout, str]:
     """The layout for a checkpoint's ``config.json`` and the key that decided it.
 
-    Tried in order: top-level ``model_type``, ``architectures``, then the nested ``text_config.model_type``.
+    Tried in order: top-level ``model_type``, ``architectures``, then each nested config's ``model_type``.
 
     Raises:
         LayoutError: no layout covers the model (the message lists what was tried and the known model types).
     """
     layouts = builtin_layouts() if layouts is None else layouts
-    tried = []
     mt = config.get("model_type")
-    tried.append(f"model_type={mt!r}")
-    for lay in layouts:
-        if mt in lay.model_types:
-            return lay, f"model_type={mt!r}"
-    for arch in config.get("architectures") or []:
-        tried.append(f"architectures={arch!r}")
+    candidates = [(f"model_type={mt!r}", lambda lay, v=mt: v in lay.model_types)]
+    archs = config.get("architectures")
+    for arch in archs if isinstance(archs, list) else []:
+        candidates.append((f"architectures={arch!r}", lambda lay, v=arch: v in lay.architectures))
+    for n, sub in nested_configs(config):
+        if sub.get("model_type"):
+            candidates.append((f"{n}.model_type={sub['model_type']!r}",
+                               lambda lay, v=sub["model_type"]: v in lay.model_types))
+    for what, fits in candidates:
         for lay in layouts:
-            if arch in lay.architectures:
-                return lay, f"architectures={arch!r}"
-    for n in ("text_config", "language_config", "llm_config"):
-        sub = config.get(n)
-        if isinstance(sub, dict) and sub.get("model_type"):
-            tried.append(f"{n}.model_type={sub['model_type']!r}")
-            for lay in layouts:
-                if sub["model_type"] in lay.model_types:
-                    return lay, f"{n}.model_type={sub['model_type']!r}"
+            if fits(lay):
+                return lay, what
     known = sorted({m for lay in layouts for m in lay.model_types})
-    raise LayoutError(f"no layout for this model (tried {', '.join(tried)}); known model types: {', '.join(known)}",
-                      file="config.json", hint="pass --layout FILE to describe it")
+    raise LayoutError(f"no layout for this model (tried {', '.join(w for w, _ in candidates)}); known model types: "
+                      f"{', '.join(known)}", file="config.json", hint="pass --layout FILE to describe it")
 
 
 def moe_layer_indices(layout: Layout, config: dict, num_layers: int) -> list[int]:

@@ -1,10 +1,10 @@
 """Executing a plan: source tensors through one or more devices into the output shards, with bounded memory.
 
-Each worker owns one device and takes the next job (one source tensor) from a shared queue: a copy job moves raw
-bytes; a quantize job reads the tensor, casts it to the compute dtype on its device, quantizes every row of every
-routed-expert matrix it holds in one batch, encodes them in the output format and writes each tensor at its planned
-offset. At most one job per worker is in memory at a time, whatever the model's size; the output bytes do not depend
-on which device ran which job.
+Each worker owns one device and takes the next job (one logical source tensor) from a shared queue: a copy job moves
+raw bytes; a decode job writes a quantized non-expert tensor decoded; a quantize job reads (and decodes) the tensor,
+casts it to the compute dtype on its device, quantizes every row of every routed-expert matrix it holds in one
+batch, and writes the tensors the output format returns at their planned offsets. At most one job per worker is in
+memory at a time, whatever the model's size; the output bytes do not depend on which device ran which job.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from typing import Callable
 
 import torch
 
-from .errors import NonFiniteError, UsageError
-from .formats import compressed_tensors as ct
+from .errors import NonFiniteError
 from .plan import Job, Plan
 from .scheme import quantize_matrix
-from .source import TORCH_DTYPES, copy_bytes, read_tensor
+from .source import TORCH_DTYPES, copy_bytes
 from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
@@ -52,68 +51,33 @@ class RunStats:
     jobs_by_device: dict[str, int] = field(default_factory=dict)
 
 
-def parse_devices(spec: str | None) -> list[torch.device]:
-    """``auto`` (every visible CUDA device, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...``.
-
-    Raises:
-        UsageError: an unknown device, or CUDA asked for where none is available.
-    """
-    spec = (spec or "auto").strip()
-    if spec == "auto":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
-    devs = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            d = torch.device(part)
-        except RuntimeError:
-            raise UsageError(f"unknown device {part!r} (use auto, cpu, cuda, cuda:N or a comma-separated list)") \
-                from None
-        if d.type == "cuda":
-            if not torch.cuda.is_available():
-                raise UsageError(f"device {part} asked for, but CUDA is not available here")
-            if d.index is None:
-                d = torch.device("cuda:0")
-            if d.index >= torch.cuda.device_count():
-                raise UsageError(f"device {part} asked for, but only {torch.cuda.device_count()} CUDA devices exist")
-        elif d.type != "cpu":
-            raise UsageError(f"unsupported device {part!r}")
-        devs.append(d)
-    if len(set(devs)) != len(devs):
-        raise UsageError(f"device listed twice in {spec!r}")
-    return devs
+def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
+    out = job.outputs[0]
+    fd, pos = shards.target(out)
+    try:
+        copy_bytes(plan.source.root, job.source.stored, fd, pos)
+    except OSError as e:
+        raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
+                          tensor=out.name) from None
+    shards.done(out)
 
 
-def _matrix_rows(job: Job, w: torch.Tensor) -> torch.Tensor:
-    """The job's matrices stacked by rows, [sum of rows, cols], in the job's matrix order."""
-    ex = job.extract
-    if ex is None:  # per-expert: the tensor is the matrix
-        return w
-    E = ex.experts
-    w = w.reshape(E, -1, w.shape[-1])  # flat [E*a, b] and stacked [E, a, b] alike
-    if ex.orientation == "in_out":
-        w = w.transpose(1, 2)
-    if ex.order == "concat":  # gate rows then up rows: matrix order (e, gate), (e, up) is already row order
-        return w.reshape(-1, w.shape[-1])
-    if ex.order == "interleaved":  # even rows gate, odd rows up
-        return torch.stack((w[:, 0::2], w[:, 1::2]), dim=1).reshape(-1, w.shape[-1])
-    return w.reshape(-1, w.shape[-1])
+def _run_decode(plan: Plan, job: Job, shards: ShardSet) -> None:
+    shards.write(job.outputs[0], plan.source.read_logical(job.source))
 
 
 def _run_quantize(plan: Plan, job: Job, device: torch.device, shards: ShardSet, stats: RunStats,
                   allow_nonfinite: bool, lock: threading.Lock) -> None:
-    src = job.source
-    t = read_tensor(plan.source.root, src)
-    w = t.to(device).to(plan.compute_dtype)
+    src, et = job.source, job.expert
+    t = plan.source.read_logical(src)
+    w = et.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
     del t
-    w = _matrix_rows(job, w).contiguous()
     codes, scales, rep = quantize_matrix(w)
     del w
-    rows = job.matrices[0].rows
+    rows = et.rows_per_matrix
 
     def note(r: int) -> RowNote:
-        m = job.matrices[r // rows]
+        m = et.matrices[r // rows]
         return RowNote(src.name, m.layer, m.expert, m.proj, r % rows)
 
     if rep.nonfinite_rows and not allow_nonfinite:
@@ -124,16 +88,13 @@ def _run_quantize(plan: Plan, job: Job, device: torch.device, shards: ShardSet, 
                              f"in this tensor, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
                              file=src.file, tensor=src.name, expert=n.expert, row=n.row,
                              hint="pass --allow-nonfinite to reproduce vLLM anyway")
-    packed, scale2d, _ = ct.encode(codes, scales)
+    encoded = plan.format.encode(codes, scales, et.matrices)
     del codes
-    packed = packed.cpu()
-    scale2d = scale2d.cpu()
-    for i, m in enumerate(job.matrices):
-        p_out, s_out, sh_out = job.outputs[3 * i: 3 * i + 3]
-        sl = slice(i * rows, (i + 1) * rows)
-        shards.write(p_out, packed[sl].numpy())
-        shards.write(s_out, scale2d[sl].contiguous().view(torch.uint8).numpy())
-        shards.write(sh_out, torch.tensor([m.rows, m.cols], dtype=torch.int64).numpy())
+    for group, tensors in zip(job.groups, encoded):
+        for out, (spec, tensor) in zip(group, tensors):
+            if spec.name != out.name:
+                raise RuntimeError(f"internal: the format returned {spec.name} where the plan has {out.name}")
+            shards.write(out, tensor)
     with lock:
         stats.zero_rows += len(rep.zero_rows)
         stats.underflow_rows += len(rep.underflow_rows)
@@ -149,14 +110,15 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     """Execute every job of ``plan`` on ``devices`` (one worker thread each), writing into ``shards``.
 
     Args:
-        on_progress: called (from worker threads) after each job with (source bytes it consumed, shards finished).
+        on_progress: called (from worker threads) after each job with (source bytes it consumed, shards finished);
+            an exception it raises stops the run like any other error.
 
     Returns:
         RunStats.
 
     Raises:
         NonFiniteError: a routed-expert row holds NaN/inf (unless ``allow_nonfinite``).
-        ExpqError: any source read error; the first error stops every worker.
+        ExpqError: any source read or output write error; the first error stops every worker.
     """
     stats = RunStats()
     lock = threading.Lock()
@@ -177,19 +139,14 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                 except queue.Empty:
                     break
                 if job.kind == "copy":
-                    out = job.outputs[0]
-                    fd, pos = shards.target(out)
-                    try:
-                        copy_bytes(plan.source.root, job.source, fd, pos)
-                    except OSError as e:
-                        raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
-                                          tensor=out.name) from None
-                    shards.done(out)
+                    _run_copy(plan, job, shards)
+                elif job.kind == "decode":
+                    _run_decode(plan, job, shards)
                 else:
                     _run_quantize(plan, job, device, shards, stats, allow_nonfinite, lock)
                 count += 1
                 if on_progress:
-                    on_progress(job.source.nbytes, len(shards.closed))
+                    on_progress(job.source.nbytes_stored, len(shards.closed))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             with lock:
                 errors.append(e)

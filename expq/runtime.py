@@ -19,6 +19,7 @@ import contextlib
 import logging
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -173,7 +174,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     from transformers.utils import logging as tlog
 
     from .kernels.moe import BACKENDS
-    from .pipeline import parse_devices
+    from .devices import parse_devices
 
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -194,7 +195,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     base_modules = _experts_modules(skeleton, ck)
     base = type(next(iter(base_modules.values())))
     del skeleton
-    int8_cls = _int8_experts_class(base, ck.num_experts * (ck.intermediate_size or 1) * (ck.hidden_size or 1))
+    int8_cls = _int8_experts_class(base, ck.num_experts * (ck.experts.intermediate_size or 1) * (ck.experts.hidden_size or 1))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # expq loads the experts; transformers must not dequantize them
     kw = dict(from_pretrained_kwargs)
@@ -218,6 +219,84 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     model.eval()
     model.expq_layout = lay.name
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class Generation:
+    """What ``generate`` produced: the prompt and new token ids, the decoded text (None without a tokenizer), the
+    model class, where it ran, and the bytes of its routed experts (int8 + scales) and of the rest."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str | None
+    model_class: str
+    device: str
+    experts_bytes: int
+    other_bytes: int
+
+
+def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device: str | None = None) -> Generation:
+    """Load a converted checkpoint with ``load_model`` (experts int8) and continue ``prompt`` greedily.
+
+    Args:
+        path: a directory written by ``expq convert``.
+        prompt: the prompt text; for a checkpoint without a tokenizer, space- or comma-separated token ids.
+        max_new_tokens: tokens to generate (>= 1).
+        device: ``cpu``, ``cuda`` or ``cuda:N`` (default: CUDA if available).
+
+    Returns:
+        Generation (``text`` is the prompt plus the continuation when the checkpoint has a tokenizer).
+
+    Raises:
+        UsageError: an empty prompt, ``max_new_tokens`` < 1, a device that is not there, token ids that are not
+            integers or outside the vocabulary, a prompt that encodes to no tokens.
+        ExpqError: see ``load_model``.
+    """
+    from .devices import parse_devices
+
+    if max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if not prompt.strip():
+        raise UsageError("--prompt is empty")
+    if device is not None:
+        parse_devices(device)  # a clear error for a device that is not there
+    model = load_model(path, device=device)
+    tok = _tokenizer(Path(path))
+    dev = next(model.parameters()).device
+    ids = _prompt_ids(prompt, tok, model.get_input_embeddings().weight.shape[0]).to(dev)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
+    new = out[0, ids.shape[1]:].tolist()
+    nb = experts_nbytes(model)
+    text = prompt + tok.decode(new, skip_special_tokens=True) if tok is not None else None
+    return Generation(ids[0].tolist(), new, text, type(model).__name__, str(dev), nb["experts"], nb["other"])
+
+
+def _tokenizer(path: Path):
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _prompt_ids(prompt: str, tok, vocab: int) -> torch.Tensor:
+    if tok is not None:
+        ids = tok(prompt, return_tensors="pt").input_ids
+    else:
+        try:
+            ids = torch.tensor([[int(x) for x in prompt.replace(",", " ").split()]])
+        except ValueError:
+            raise UsageError("this checkpoint has no tokenizer: give --prompt as token ids, e.g. '1 2 3'") from None
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise UsageError(f"token ids must lie in [0, {vocab})")
+    if ids.shape[1] == 0:
+        raise UsageError("the prompt encodes to no tokens")
+    return ids
 
 
 def experts_nbytes(model) -> dict[str, int]:

@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,7 +83,9 @@ class Source:
         root: the local directory (a Hub snapshot for a repo id).
         repo_id, revision, commit: where it came from when resolved from the Hub (else None).
         config: ``config.json`` as a dict.
-        shards: safetensors files in name order; ``tensors``: name -> TensorInfo over all shards.
+        shards: safetensors files in name order; ``tensors``: name -> TensorInfo over all shards (as stored).
+        decoder: how the source stores its weights (``decoders``); ``logical``: name -> LogicalTensor, the tensors
+            as an unquantized checkpoint would hold them (what the rest of expq works on).
         side_files: every other file to copy (relative paths), sorted; ``skipped_files``: weight files not copied.
     """
 
@@ -92,7 +95,8 @@ class Source:
     tensors: dict[str, TensorInfo]
     side_files: list[str]
     skipped_files: list[str]
-    index_metadata: dict
+    decoder: Any = None
+    logical: dict[str, Any] = field(default_factory=dict)
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
@@ -104,6 +108,16 @@ class Source:
     @property
     def id(self) -> str:
         return self.repo_id or str(self.root)
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """One stored tensor (``read_tensor`` under this source's root)."""
+        return read_tensor(self.root, info)
+
+    def read_logical(self, tensor) -> torch.Tensor:
+        """One logical tensor: its stored bytes, or decoded by the source's decoder (CPU tensor)."""
+        if not tensor.decoded:
+            return read_tensor(self.root, tensor.stored)
+        return self.decoder.decode(tensor, self.read)
 
 
 def read_header(path: Path, rel: str) -> Shard:
@@ -179,12 +193,10 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
 
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None
-    index_meta: dict = {}
     if index_path.is_file():
         try:
             idx = json.loads(index_path.read_text())
             weight_map = idx["weight_map"]
-            index_meta = idx.get("metadata") or {}
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -247,8 +259,12 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
             skipped.append(rel)
         else:
             side.append(rel)
+    from .decoders import detect
+
+    decoder = detect(config, tensors)
     return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
-                  index_metadata=index_meta, repo_id=repo_id, revision=revision, commit=commit)
+                  decoder=decoder, logical=decoder.logical_tensors(tensors), repo_id=repo_id, revision=revision,
+                  commit=commit)
 
 
 def resolve_source(src: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Source:

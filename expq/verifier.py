@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts
-from .errors import ExpqError, UsageError
-from .formats import compressed_tensors as ct
-from .source import INDEX_NAME, TORCH_DTYPES
+from .devices import parse_devices
+from .errors import ExpqError, UnreadableInputError, UsageError
+from .kernels import select_backend
+from .source import INDEX_NAME
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
 # Kernel vs the fp32 reference on the same (dequantized) weights: the only differences are roundings. In bf16 each of
@@ -99,6 +100,11 @@ class VerifyReport:
     seconds: float
     row_error_limit: float = 0.0  # the largest row error (in steps) the scheme can give in this dtype
 
+    @property
+    def exit_code(self) -> int:
+        """The command line's exit status for this report: 0 when every check passed, 1 otherwise."""
+        return 0 if self.ok else 1
+
     def to_dict(self) -> dict:
         """JSON-ready: NaN and infinite figures become None."""
         def clean(v):
@@ -122,6 +128,10 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
            revision: str | None = None, seed: int = 0) -> VerifyReport:
     """Verify a checkpoint written by ``expq convert``.
 
+    Steps: open the checkpoint; structure checks; with a source, plan it the same way and compare the other tensors
+    byte for byte; per MoE layer, decode the experts and check codes, bits against the source and the kernel;
+    summarise.
+
     Args:
         out: the converted checkpoint directory.
         source: the source checkpoint (directory or Hub repo id) for the bit-for-bit and byte-for-byte checks.
@@ -131,46 +141,61 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         seed: seed of the random activations.
 
     Returns:
-        VerifyReport (``ok`` False when any check fails; problems name layer/expert/tensor).
+        VerifyReport (``ok`` False when any check fails; problems name layer/expert/tensor; ``exit_code``).
 
     Raises:
-        UsageError: bad device or tokens. SourceError: ``out`` (or the source) cannot be read at all.
+        UsageError: bad device or tokens. UnreadableInputError: ``out`` (or the source) cannot be read at all.
     """
-    from .kernels import fused_moe_int8, moe_reference, moe_reference_dense, select_backend
-    from .pipeline import parse_devices
-
     t0 = time.perf_counter()
     if tokens < 1:
         raise UsageError("--tokens must be at least 1")
     dev = parse_devices(device)[0]
-    ck = ConvertedCheckpoint(out)
+    ck, plan = _open(out, source, revision)
     problems: list[str] = []
-    checks: list[Check] = []
-    checks.append(_check_index(ck, problems))
-    checks.append(_check_files_load(ck, problems))
-    checks.append(_check_quantization_config(ck, problems))
-    missing = _check_modules_present(ck, problems)
-    checks.append(missing)
-
-    plan = None
-    src_jobs_by_layer: dict[int, list] = {}
-    if source is not None:
-        from .plan import make_plan
-        from .source import resolve_source
-
-        src = resolve_source(source, revision=revision)
-        opts = ck.manifest.get("options", {})
-        plan = make_plan(src, layout=ck.layout, dtype=opts.get("dtype", "auto"))
-        for j in plan.jobs:
-            if j.kind == "quantize":
-                src_jobs_by_layer.setdefault(j.matrices[0].layer, []).append(j)
+    checks = _structure_checks(ck, problems)
+    if plan is not None:
         checks.append(_check_passthrough(ck, plan, problems))
-
-    act_dtype = ck.scale_dtype  # activations in the compute dtype, as vLLM serves the model
+    layers = _layer_checks(ck, plan, problems, dev, tokens, seed)
     backend = select_backend(dev)
-    underflow_budget = int(ck.manifest.get("rows", {}).get("underflow", 0))
-    layers: list[LayerResult] = []
+    checks += _layer_summary_checks(ck, layers, plan is not None, backend)
+    return _report(ck, out, source, checks, layers, problems, dev, backend, tokens, time.perf_counter() - t0)
+
+
+def _open(out, source, revision) -> tuple[ConvertedCheckpoint, object]:
+    """The checkpoint, and the plan of its source made with the checkpoint's own layout and dtype (or None)."""
+    from .plan import make_plan
+    from .source import resolve_source
+
+    try:
+        ck = ConvertedCheckpoint(out)
+        if source is None:
+            return ck, None
+        src = resolve_source(source, revision=revision)
+        dtype = ck.manifest.options.dtype if ck.manifest is not None else "auto"
+        return ck, make_plan(src, layout=ck.layout, dtype=dtype, format=ck.format.name)
+    except UsageError:
+        raise
+    except ExpqError as e:
+        raise UnreadableInputError.from_error(e) from None
+
+
+def _structure_checks(ck: ConvertedCheckpoint, problems: list[str]) -> list[Check]:
+    return [_check_index(ck, problems), _check_files_load(ck, problems), _check_quantization_config(ck, problems),
+            _check_modules_present(ck, problems)]
+
+
+def _layer_checks(ck: ConvertedCheckpoint, plan, problems: list[str], dev: torch.device, tokens: int,
+                  seed: int) -> list[LayerResult]:
+    from .kernels import fused_moe_int8, moe_reference, moe_reference_dense
+
+    src_jobs: dict[int, list] = {}
+    for j in (plan.jobs if plan is not None else []):
+        if j.kind == "quantize":
+            src_jobs.setdefault(j.matrices[0].layer, []).append(j)
+    act_dtype = ck.scale_dtype  # activations in the compute dtype, as vLLM serves the model
+    underflow_budget = ck.manifest.rows.underflow if ck.manifest is not None else 0
     gen = torch.Generator().manual_seed(seed)
+    layers: list[LayerResult] = []
     for L in ck.moe_layers:
         res = LayerResult(L, ck.num_experts)
         layers.append(res)
@@ -184,39 +209,48 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         underflow_budget = _check_layer_codes(ck, L, experts, res, problems, underflow_budget)
         src_w = None
         if plan is not None:
-            src_w = _check_layer_bits(ck, experts, plan, src_jobs_by_layer.get(L, []), L, res, problems)
+            src_w = _check_layer_bits(ck, experts, plan, src_jobs.get(L, []), L, res, problems)
         _check_layer_kernel(ck, experts, res, problems, dev, act_dtype, tokens, gen, src_w,
                             fused_moe_int8, moe_reference, moe_reference_dense)
         res.ok = res.ok and not res.problems
-    checks.append(Check("experts: codes and scales", all(r.structure_ok for r in layers),
-                        next((p for r in layers for p in r.problems if "code" in p or "scale" in p), "")))
-    if plan is not None:
+    return layers
+
+
+def _layer_summary_checks(ck: ConvertedCheckpoint, layers: list[LayerResult], with_source: bool,
+                          backend: str) -> list[Check]:
+    def first(word: str) -> str:
+        return next((p for r in layers for p in r.problems if word in p), "")
+
+    checks = [Check("experts: codes and scales", all(r.structure_ok for r in layers), first("code") or first("scale"))]
+    if with_source:
         checks.append(Check("experts: bits equal re-quantized source",
-                            all(r.codes_differ == 0 and r.scales_differ == 0 for r in layers),
-                            next((p for r in layers for p in r.problems if "differ" in p), "")))
+                            all(r.codes_differ == 0 and r.scales_differ == 0 for r in layers), first("differ")))
         checks.append(Check("experts: row error within half a step (+ w/scale rounding)", all(
             r.max_row_error_steps is not None and r.max_row_error_steps <= row_error_limit(ck.scale_dtype)
             for r in layers), ""))
     kernel_ok = all(r.kernel_rel_err is not None and r.experts_exercised == r.experts for r in layers) and all(
         r.ok or not any("kernel" in p for p in r.problems) for r in layers)
     checks.append(Check(f"kernel ({backend}) vs fp32 reference", kernel_ok and bool(layers),
-                        next((p for r in layers for p in r.problems if "kernel" in p), "")))
-    if plan is not None:
+                        first("kernel")))
+    if with_source:
         checks.append(Check("kernel vs source experts", all(
             r.source_rel_err is not None and r.source_rel_err <= SOURCE_REL_TOL for r in layers),
-            next((p for r in layers for p in r.problems if "source experts" in p), "")))
+            first("source experts")))
+    return checks
+
+
+def _report(ck: ConvertedCheckpoint, out, source, checks: list[Check], layers: list[LayerResult],
+            problems: list[str], dev: torch.device, backend: str, tokens: int, seconds: float) -> VerifyReport:
     ok = all(c.ok for c in checks) and all(r.ok for r in layers) and not problems and bool(layers)
-    tokens_used = max(tokens, math.ceil(ck.num_experts / max(1, 1 if ck.layout.router_weight_on_input else
-                                                             min(ck.top_k or 2, ck.num_experts))))
-    n_mat = len(ck.modules)
-    verdict = (f"PASS: {len(layers)} MoE layers x {ck.num_experts} experts ({n_mat} matrices) verified"
+    per_token = 1 if ck.layout.router_weight_on_input else min(ck.top_k or 2, ck.num_experts)
+    tokens_used = max(tokens, math.ceil(ck.num_experts / max(1, per_token)))
+    verdict = (f"PASS: {len(layers)} MoE layers x {ck.num_experts} experts ({len(ck.modules)} matrices) verified"
                f"{' bit for bit against ' + str(source) if source else ''}; kernel {backend} on {dev}"
                if ok else f"FAIL: {problems[0] if problems else next(c.detail or c.name for c in checks if not c.ok)}")
     return VerifyReport(out=str(out), source=str(source) if source else None, ok=ok, verdict=verdict,
-                        backend=backend, device=str(dev), activation_dtype=str(act_dtype).removeprefix("torch."),
+                        backend=backend, device=str(dev), activation_dtype=str(ck.scale_dtype).removeprefix("torch."),
                         tokens=tokens_used, checks=checks, layers=layers, problems=problems,
-                        seconds=round(time.perf_counter() - t0, 3),
-                        row_error_limit=round(row_error_limit(ck.scale_dtype), 4))
+                        seconds=round(seconds, 3), row_error_limit=round(row_error_limit(ck.scale_dtype), 4))
 
 
 # --- structure -----------------------------------------------------------------------------------------------------
@@ -268,82 +302,39 @@ def _check_files_load(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
 
 
 def _check_quantization_config(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
-    qc = ck.quantization_config
-    bad = []
-    try:
-        from compressed_tensors.quantization import QuantizationConfig
-
-        parsed = QuantizationConfig.model_validate(qc)
-    except Exception as e:  # noqa: BLE001
-        bad.append(f"quantization_config does not validate with compressed-tensors: {str(e).splitlines()[0]}")
-        parsed = None
-    if parsed is not None:
-        if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
-            bad.append(f"quantization_config: quant_method/format {qc.get('quant_method')}/{qc.get('format')}, "
-                       "expected compressed-tensors/pack-quantized")
-        if qc.get("quantization_status") != "compressed":
-            bad.append("quantization_config: quantization_status must be 'compressed'")
-        groups = list(parsed.config_groups.values())
-        want = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": -1}
-        targets: list[str] = []
-        for g in groups:
-            w = g.weights
-            got = {"num_bits": w.num_bits, "type": str(getattr(w.type, "value", w.type)), "symmetric": w.symmetric,
-                   "strategy": str(getattr(w.strategy, "value", w.strategy)), "group_size": w.group_size}
-            if got != want:
-                bad.append(f"quantization_config weights {got}, expected {want}")
-            if g.input_activations is not None:
-                bad.append("quantization_config quantizes activations; experts_int8 is weight-only (W8A16)")
-            targets += list(g.targets)
-        ignore = list(parsed.ignore or [])
-        quantized = set(ck.modules.values())
-        all_modules = {n.rsplit(".", 1)[0] for n, t in ck.tensors.items()
-                       if (n.endswith(".weight") and len(t.shape) == 2) or n.endswith(".weight_packed")}
-        matched = {m for m in all_modules if ct.module_matches(m, targets, ignore)}
-        extra = sorted(matched - quantized)
-        unmatched = sorted(quantized - matched)
-        if extra:
-            bad.append(f"quantization_config targets match {len(extra)} modules that are not quantized, e.g. "
-                       f"{extra[0]}")
-        if unmatched:
-            bad.append(f"quantization_config targets miss {len(unmatched)} quantized modules, e.g. {unmatched[0]}")
+    bad = ck.format.check_config(ck.quantization_config, ck.tensors)
     for b in bad:
         _fail(problems, b)
     return Check("quantization_config", not bad, bad[0] if bad else "")
 
 
 def _check_modules_present(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    """Every expected matrix has the format's tensors with their dtypes and shapes (shapes from config sizes)."""
+    from .experts import Matrix
+
     bad = []
-    exp = ck.expected_modules()
-    dt = ck.scale_dtype
-    H, I = ck.hidden_size, ck.intermediate_size
-    for key, module in exp.items():
-        L, e, p = key
-        rows, cols = (I, H) if p != "down" else (H, I)
-        for suffix, want_dtype, want_shape in (
-                ("weight_packed", "I32", None if rows is None or cols is None else [rows, math.ceil(cols / 4)]),
-                ("weight_scale", None, None if rows is None else [rows, 1]), ("weight_shape", "I64", [2])):
-            name = f"{module}.{suffix}"
-            t = ck.tensors.get(name)
+    em = ck.experts
+    for (L, e, p), module in em.expected_modules().items():
+        rows, cols = em.matrix_shape(p)
+        specs = ck.format.tensor_specs(Matrix(L, e, p, module, rows or 0, cols or 0))
+        for spec in specs:
+            t = ck.tensors.get(spec.name)
             if t is None:
-                bad.append(f"layer {L} expert {e} {p}: tensor {name} missing")
+                bad.append(f"layer {L} expert {e} {p}: tensor {spec.name} missing")
                 continue
-            if want_dtype and t.dtype != want_dtype:
-                bad.append(f"layer {L} expert {e} {p}: tensor {name} is {t.dtype}, expected {want_dtype}")
-            if suffix == "weight_scale" and TORCH_DTYPES.get(t.dtype) != dt:
-                bad.append(f"layer {L} expert {e} {p}: tensor {name} is {t.dtype}, expected the compute dtype {dt}")
-            if want_shape and list(t.shape) != want_shape:
-                bad.append(f"layer {L} expert {e} {p}: tensor {name} has shape {list(t.shape)}, "
-                           f"expected {want_shape}")
-    extra = sorted(set(ck.modules) - set(exp))
-    for key in extra:
+            if t.dtype != spec.dtype:
+                bad.append(f"layer {L} expert {e} {p}: tensor {spec.name} is {t.dtype}, expected {spec.dtype}")
+            if rows is not None and cols is not None and tuple(t.shape) != spec.shape:
+                bad.append(f"layer {L} expert {e} {p}: tensor {spec.name} has shape {list(t.shape)}, "
+                           f"expected {list(spec.shape)}")
+    for key in sorted(set(ck.modules) - set(em.expected_modules())):
         bad.append(f"layer {key[0]} expert {key[1]} {key[2]}: quantized module {ck.modules[key]} is not a routed "
                    "expert the config describes")
     for b in bad:
         _fail(problems, b)
-    n = len(ck.moe_layers) * ck.num_experts * 3
+    n = len(em.moe_layers) * em.num_experts * 3
     return Check("every routed expert present (dtypes, shapes)", not bad,
-                 bad[0] if bad else f"{n} matrices = {len(ck.moe_layers)} layers x {ck.num_experts} experts x 3")
+                 bad[0] if bad else f"{n} matrices = {len(em.moe_layers)} layers x {em.num_experts} experts x 3")
 
 
 def _check_layer_codes(ck: ConvertedCheckpoint, L: int, ex: LayerExperts, res: LayerResult, problems: list[str],
@@ -390,10 +381,12 @@ def _check_layer_codes(ck: ConvertedCheckpoint, L: int, ex: LayerExperts, res: L
 
 # --- against the source --------------------------------------------------------------------------------------------
 def _check_passthrough(ck: ConvertedCheckpoint, plan, problems: list[str]) -> Check:
+    """Every tensor the source keeps is in the output with the same dtype, shape and bytes (a decoded one: the
+    bytes of the source decoded again)."""
     bad = []
     n = 0
     for j in plan.jobs:
-        if j.kind != "copy":
+        if j.kind == "quantize":
             continue
         n += 1
         s = j.source
@@ -401,11 +394,17 @@ def _check_passthrough(ck: ConvertedCheckpoint, plan, problems: list[str]) -> Ch
         if o is None:
             bad.append(f"tensor {s.name}: in the source but not in the output")
             continue
-        if (o.dtype, o.shape) != (s.dtype, s.shape):
+        if (o.dtype, tuple(o.shape)) != (s.dtype, tuple(s.shape)):
             bad.append(f"tensor {s.name}: {o.dtype}{list(o.shape)} in the output, {s.dtype}{list(s.shape)} in the "
                        "source")
             continue
-        if not _same_bytes(plan.source.root / s.file, s.start, ck.root / o.file, o.start, s.nbytes):
+        if s.decoded:
+            same = torch.equal(plan.source.read_logical(s).view(-1).view(torch.uint8),
+                               ck.read(s.name).view(-1).view(torch.uint8))
+        else:
+            st = s.stored
+            same = _same_bytes(plan.source.root / st.file, st.start, ck.root / o.file, o.start, st.nbytes)
+        if not same:
             bad.append(f"tensor {s.name}: bytes differ from the source ({o.file})")
     for b in bad:
         _fail(problems, b)
@@ -428,26 +427,19 @@ def _check_layer_bits(ck: ConvertedCheckpoint, ex: LayerExperts, plan, jobs: lis
                       problems: list[str]) -> dict:
     """Re-quantize the source matrices of layer L and compare with the layer's decoded experts ``ex``; returns
     (expert, proj) -> source matrix (fp32)."""
-    from .pipeline import _matrix_rows
     from .scheme import dequantize_rows, quantize_rows
-    from .source import read_tensor
 
     src_w: dict[tuple[int, str], torch.Tensor] = {}
     codes_diff = scales_diff = 0
     worst = 0.0
     for j in jobs:
-        w = _matrix_rows(j, read_tensor(plan.source.root, j.source).to(plan.compute_dtype)).contiguous()
+        w = j.expert.to_rows(plan.source.read_logical(j.source).to(plan.compute_dtype)).contiguous()
         ref_codes, ref_scales = quantize_rows(w)
-        rows = j.matrices[0].rows
+        rows = j.expert.rows_per_matrix
         for i, m in enumerate(j.matrices):
             sl = slice(i * rows, (i + 1) * rows)
             module = ck.modules.get((m.layer, m.expert, m.proj), "?")
-            I = ex.w2.shape[2]
-            if m.proj == "down":
-                codes, scales = ex.w2[m.expert], ex.w2_scale[m.expert]
-            else:
-                rows_ = slice(0, I) if m.proj == "gate" else slice(I, 2 * I)
-                codes, scales = ex.w13[m.expert, rows_], ex.w13_scale[m.expert, rows_]
+            codes, scales = ex.matrix(m.expert, m.proj)
             if codes.shape != ref_codes[sl].shape:
                 res.problems.append(f"layer {L} expert {m.expert} {m.proj} ({module}): shape {list(codes.shape)}, "
                                     f"source matrix {list(ref_codes[sl].shape)}")

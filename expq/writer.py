@@ -3,30 +3,76 @@ under temporary names in ``OUT/.expq-partial/`` and renamed into ``OUT`` only wh
 
 A crash leaves at most the hidden staging folder, never a final-named partial file; an error removes it. Shards are
 written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive in any
-order from any device and no output shard is ever held in memory.
+order from any device and no output shard is ever held in memory. The staging folder holds an exclusive lock
+(``filelock``, an ``flock`` the OS releases when the process dies), so two conversions never write one OUT.
+
+Fault seam (for tests, and for anyone who wants to see what a crash leaves): ``EXPQ_FAULT=POINT:N:ACTION[,...]``
+makes the N-th ``write`` (a tensor written into a shard), ``rename`` (a file moved into OUT at the commit) or
+``fsync`` of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or
+``stall`` it there (for a test that acts on a running conversion).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import signal
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 
+import torch
+from filelock import FileLock, Timeout
+
 from .errors import ExpqError, UsageError
-
-
-class OutputError(ExpqError):
-    """Writing the output failed (disk full, permissions...); names the file and tensor."""
+from .manifest import MANIFEST
 from .plan import OutTensor, Plan
 from .source import INDEX_NAME
 
 STAGING = ".expq-partial"
-LOCK = ".lock"  # in the staging folder: the pid of the conversion writing OUT
+LOCK = ".lock"  # in the staging folder: the lock file, held (flock) by the conversion writing OUT
+OWNER = ".owner"  # in the staging folder: that conversion's pid, for the message a second one prints
 OLD = ".replaced"  # in the staging folder: an overwritten checkpoint, until the new one is in place
-MANIFEST = "expq.json"
+FAULT_ENV = "EXPQ_FAULT"
+
+
+class OutputError(ExpqError):
+    """Writing the output failed (disk full, permissions...); names the file and tensor."""
+
+
+class _Faults:
+    """The ``EXPQ_FAULT`` seam: counts writes, renames and fsyncs and fails the one it names."""
+
+    def __init__(self, spec: str):
+        self.rules: dict[str, tuple[int, str]] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            point, n, action = part.split(":")
+            self.rules[point] = (int(n), action)
+        self.count: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def hit(self, point: str) -> None:
+        if point not in self.rules:
+            return
+        with self.lock:
+            self.count[point] += 1
+            n = self.count[point]
+        at, action = self.rules[point]
+        if n != at:
+            return
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "stall":  # hold everything as it is (a slow disk; a run to kill from outside)
+            time.sleep(3600)
+        code = errno.ENOSPC if action == "enospc" else errno.EIO
+        raise OSError(code, os.strerror(code))
+
+
+_faults = _Faults(os.environ.get(FAULT_ENV, ""))
 
 
 def safetensors_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -48,8 +94,6 @@ class OutputDir:
             checkpoint an earlier ``expq convert`` wrote (one holding ``expq.json``), at ``commit``: the old one stays
             intact if the conversion fails, and is restored if moving the new files in fails.
         src_root: the source directory, which OUT may not be, contain, or sit inside.
-
-    The staging folder doubles as a lock: a second conversion into the same OUT while one runs is refused.
 
     Raises:
         UsageError: OUT is a file, not empty without ``overwrite``, not an expq checkpoint with ``overwrite``,
@@ -76,23 +120,25 @@ class OutputDir:
         self._created = not self.out.exists()
         self.staging = self.out / STAGING
         self.out.mkdir(parents=True, exist_ok=True)
-        self._lock()
+        self._flock = self._lock()
 
-    def _lock(self) -> None:
-        for _ in range(2):
+    def _lock(self) -> FileLock:
+        """Take the staging folder's lock, then clear what a killed run left in it."""
+        self.staging.mkdir(exist_ok=True)
+        lock = FileLock(self.staging / LOCK)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
             try:
-                self.staging.mkdir()
-                (self.staging / LOCK).write_text(f"{os.getpid()}\n")
-                return
-            except FileExistsError:
-                try:
-                    pid = int((self.staging / LOCK).read_text().strip() or 0)
-                except (OSError, ValueError):
-                    pid = 0
-                if pid and pid != os.getpid() and _alive(pid):
-                    raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(self.out)) from None
-                shutil.rmtree(self.staging, ignore_errors=True)  # left by a run that was killed
-        raise UsageError("cannot create the staging folder (another run keeps recreating it)", file=str(self.out))
+                pid = int((self.staging / OWNER).read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(self.out)) from None
+        for p in self.staging.iterdir():  # left by a run that was killed: we hold the lock, nobody else writes here
+            if p.name != LOCK:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        (self.staging / OWNER).write_text(f"{os.getpid()}\n")
+        return lock
 
     def path(self, name: str) -> Path:
         """The staging path of an output file (its final name, relative to OUT)."""
@@ -106,13 +152,16 @@ class OutputDir:
     def copy_file(self, src: Path, name: str) -> None:
         shutil.copyfile(src, self.path(name))
 
+    def _staged(self) -> list[str]:
+        return sorted(rel for p in self.staging.rglob("*") if p.is_file()
+                      and (rel := p.relative_to(self.staging).as_posix()) not in (LOCK, OWNER)
+                      and not rel.startswith(OLD + "/"))
+
     def commit(self) -> None:
         """Move every staged file to its final name: shards and side files first, then the index, then config.json
         (a loader finds nothing usable until the last rename). An overwritten checkpoint is first moved aside into
         the staging folder, and moved back if anything fails; it is deleted only once the new one is in place."""
-        staged = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*")
-                        if p.is_file() and p.relative_to(self.staging).as_posix() not in (LOCK,)
-                        and not p.relative_to(self.staging).as_posix().startswith(OLD + "/"))
+        staged = self._staged()
         old_dir = self.staging / OLD
         moved_old: list[str] = []
         moved_new: list[str] = []
@@ -120,13 +169,13 @@ class OutputDir:
             if self._replace:
                 old_dir.mkdir()
                 for name in self._replace:
-                    os.replace(self.out / name, old_dir / name)
+                    _replace(self.out / name, old_dir / name)
                     moved_old.append(name)
             last = [n for n in (INDEX_NAME, "config.json") if n in staged]
             for name in [n for n in staged if n not in last] + last:
                 dst = self.out / name
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(self.staging / name, dst)
+                _replace(self.staging / name, dst)
                 moved_new.append(name)
         except BaseException:
             for name in reversed(moved_new):  # put the new files back, then the old checkpoint back in place
@@ -140,26 +189,31 @@ class OutputDir:
                 with contextlib.suppress(OSError):
                     os.replace(old_dir / name, self.out / name)
             raise
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self._release()
 
     def abort(self) -> None:
         """Remove the staging area (and OUT itself if this run created it and it is empty)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self._release()
         if self._created:
-            try:
+            with contextlib.suppress(OSError):
                 self.out.rmdir()
-            except OSError:
-                pass
+
+    def _release(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self._flock.release()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _replace(src: Path, dst: Path) -> None:
+    _faults.hit("rename")
+    os.replace(src, dst)
+
+
+def _bytes_of(data) -> memoryview:
+    """The raw bytes of a tensor (any dtype, bfloat16 included) or a bytes-like object."""
+    if isinstance(data, torch.Tensor):
+        t = data.detach().cpu().contiguous()
+        return memoryview(t.view(torch.uint8).numpy() if t.numel() else b"").cast("B")
+    return memoryview(data).cast("B")
 
 
 class ShardSet:
@@ -200,12 +254,17 @@ class ShardSet:
         return fd, base + out.offset
 
     def write(self, out: OutTensor, data) -> None:
-        """Write ``data`` (a bytes-like object of exactly ``out.nbytes``) at ``out``'s place."""
-        mv = memoryview(data).cast("B")
+        """Write ``data`` (a tensor of ``out``'s dtype and shape, or exactly ``out.nbytes`` bytes) at ``out``'s place.
+
+        Raises:
+            OutputError: the write failed (names the shard and tensor).
+        """
+        mv = _bytes_of(data)
         if mv.nbytes != out.nbytes:
             raise RuntimeError(f"internal: {out.name} has {mv.nbytes} bytes, planned {out.nbytes}")
         fd, pos = self.target(out)
         try:
+            _faults.hit("write")
             while mv.nbytes:
                 n = os.pwrite(fd, mv, pos)
                 mv, pos = mv[n:], pos + n
@@ -222,6 +281,7 @@ class ShardSet:
                 fd, _ = self._fds.pop(out.shard)
                 try:
                     if self.fsync:
+                        _faults.hit("fsync")
                         os.fsync(fd)
                 finally:
                     os.close(fd)

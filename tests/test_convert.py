@@ -98,10 +98,12 @@ def test_index_config_and_side_files(family, converted):
     assert len(shards) == report.shards > 1
     assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     limit = 40_000
-    for f in shards:  # data of each shard within --max-shard-size unless one module alone is larger
-        data = sum(t.numel() * t.element_size() for n, t in tensors.items() if files[n] == f)
-        biggest = max(t.numel() * t.element_size() for n, t in tensors.items() if files[n] == f)
-        assert data <= limit or data == biggest or data <= biggest * 3, (f, data)
+    for f in shards:  # data of each shard within --max-shard-size, unless it holds one module alone (larger)
+        members = [n for n in tensors if files[n] == f]
+        data = sum(tensors[n].numel() * tensors[n].element_size() for n in members)
+        modules = {n.rsplit(".", 1)[0] if n.rsplit(".", 1)[-1] in ("weight_packed", "weight_scale", "weight_shape")
+                   else n for n in members}
+        assert data <= limit or len(modules) == 1, (f, data, sorted(modules)[:3])
     for n in tensors:  # a weight and its scale in the same shard
         if n.endswith(".weight_packed"):
             base = n[: -len("weight_packed")]
@@ -116,11 +118,12 @@ def test_index_config_and_side_files(family, converted):
                                 "group_size": -1, "dynamic": False}
     assert group["input_activations"] is None
     # targets match exactly the quantized modules (ignored ones excluded), nothing else
-    from expq.formats.compressed_tensors import module_matches
+    from compressed_tensors.utils import is_match  # the library's own matching, as its loaders use it
+    linear = torch.nn.Linear(1, 1, device="meta")
     modules = {n.rsplit(".", 1)[0] for n, t in tensors.items()
                if (n.endswith(".weight") and t.dim() == 2) or n.endswith(".weight_packed")}
     quantized = {n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")}
-    matched = {m for m in modules if module_matches(m, group["targets"], qc["ignore"])}
+    matched = {m for m in modules if is_match(m, linear, group["targets"], qc["ignore"])}
     assert matched == quantized
     # side files copied byte for byte
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -231,14 +234,15 @@ def test_cli_json_and_inspect(tmp_path, tmp_path_factory):
 def test_several_workers_write_the_same_bytes(tmp_path, tmp_path_factory, converted):
     """The multi-device path (one worker per device, positional writes in any order) on two CPU workers gives the
     same files as one worker (the GPU variant is in test_scheme_gpu)."""
+    src, out, _ = converted("deepseek_v3")
+    two = tmp_path / "two"
     from expq.pipeline import run_plan
     from expq.plan import make_plan
     from expq.source import open_source
     from expq.writer import OutputDir, ShardSet
 
-    src, out, _ = converted("deepseek_v3")
     plan = make_plan(open_source(src), max_shard_size=SHARD)
-    outdir = OutputDir(tmp_path / "two", src_root=src)
+    outdir = OutputDir(two, src_root=src)
     shards = ShardSet(plan, outdir)
     stats = run_plan(plan, shards, [torch.device("cpu"), torch.device("cpu")])
     assert shards.complete() and sum(stats.jobs_by_device.values()) == len(plan.jobs)

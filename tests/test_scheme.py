@@ -149,13 +149,27 @@ def test_compute_dtype_rejects():
 
 
 def test_packing_in_row_blocks_equals_the_library_on_the_whole():
-    """Large matrices are packed and unpacked in row blocks on a CPU: the words equal one library call."""
-    from expq.formats import compressed_tensors as ct
+    """Large matrices are packed and unpacked in row blocks on a CPU: the words equal one library call, and the
+    format returns complete tensors per matrix (a batch of two matrices here)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-    pack, unpack = ct.packing_functions()
+    from expq.experts import Matrix
+    from expq.formats.compressed_tensors import PACK_BLOCK, CompressedTensorsFormat
+
+    fmt = CompressedTensorsFormat(None, torch.bfloat16)  # encode/decode need no expert map
     codes = torch.randint(-127, 128, (1100, 1001), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-    assert codes.numel() > ct.PACK_BLOCK
-    packed, scale2d, shape = ct.encode(codes, torch.ones(1100, dtype=torch.bfloat16))
-    assert torch.equal(packed, pack(codes, 8)) and shape.tolist() == [1100, 1001]
-    back, _ = ct.decode(packed, scale2d, shape)
-    assert torch.equal(back, codes) and torch.equal(back, unpack(packed, 8, torch.Size([1100, 1001])))
+    assert codes.numel() > PACK_BLOCK
+    scales = torch.rand(1100, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    mats = [Matrix(0, 0, "gate", "m.a", 700, 1001), Matrix(0, 0, "up", "m.b", 400, 1001)]
+    (a, b) = fmt.encode(codes, scales, mats)
+    tensors = {spec.name: t for spec, t in a + b}
+    assert [spec.name for spec, _ in a] == ["m.a.weight_packed", "m.a.weight_scale", "m.a.weight_shape"]
+    whole = pack_to_int32(codes, 8)
+    assert torch.equal(tensors["m.a.weight_packed"], whole[:700]) and torch.equal(tensors["m.b.weight_packed"], whole[700:])
+    assert tensors["m.b.weight_shape"].tolist() == [400, 1001] and tensors["m.a.weight_scale"].shape == (700, 1)
+    for (spec, t) in a + b:
+        assert (t.dtype, tuple(t.shape)) == ({"I32": torch.int32, "BF16": torch.bfloat16, "I64": torch.int64}
+                                             [spec.dtype], spec.shape)
+    back, s = fmt.decode("m.a", tensors.__getitem__)
+    assert torch.equal(back, codes[:700]) and torch.equal(s, scales[:700])
+    assert torch.equal(back, unpack_from_int32(whole[:700], 8, torch.Size([700, 1001])))

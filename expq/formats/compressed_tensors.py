@@ -8,67 +8,36 @@ Per routed-expert projection module ``M`` (e.g. ``model.layers.3.mlp.experts.7.g
   experts_int8 scales are values of the compute dtype, so this is lossless;
 * ``M.weight_shape`` int64 ``[2]``: ``(out, in)``, as compressed-tensors writes it.
 
-The ``quantization_config`` is built with compressed-tensors' config classes and serialised by its
-``ModelCompressor`` (the library's own writer), never re-quantized through its quantizer (its scheme differs:
-absmax/127.5, range [-128, 127]). Its weights are ``{num_bits: 8, type: int, symmetric: true, strategy: channel,
-group_size: -1, dynamic: false}``: vLLM 0.24-0.28 assert ``group_size == -1`` for 8-bit channel-wise.
+The ``quantization_config`` is built with compressed-tensors' config classes and dumped as its ``ModelCompressor``
+writes it, never re-quantized through its quantizer (its scheme differs: absmax/127.5, range [-128, 127]). Its
+weights are ``{num_bits: 8, type: int, symmetric: true, strategy: channel, group_size: -1, dynamic: false}``: vLLM
+0.24-0.28 assert ``group_size == -1`` for 8-bit channel-wise. Name matching (targets / ignore) is the library's own.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
-import tempfile
-from functools import cache
-from pathlib import Path
+from typing import ClassVar, Mapping, Sequence
 
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-NAME = "compressed-tensors"
-SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+from ..experts import ExpertMap, Matrix, TensorLike
+from .base import ReadByName, TensorSpec
+
 PACK_BLOCK = 1 << 19  # elements per packing call on a CPU (measured best: 256K-1M, see docs/benchmarks.md)
-
-
-def tensor_specs(module: str, rows: int, cols: int, compute_dtype: torch.dtype) -> list[tuple[str, torch.dtype,
-                                                                                               tuple[int, ...]]]:
-    """Names, dtypes and shapes of the tensors one quantized projection becomes (in write order)."""
-    return [
-        (f"{module}.weight_packed", torch.int32, (rows, math.ceil(cols / 4))),
-        (f"{module}.weight_scale", compute_dtype, (rows, 1)),
-        (f"{module}.weight_shape", torch.int64, (2,)),
-    ]
-
-
-@cache
-def packing_functions():
-    """compressed-tensors' own ``(pack_to_int32, unpack_from_int32)``.
-
-    The library's package import pulls in transformers (about 2 s); its packing helpers need only torch. Where the
-    package is not imported yet, the helpers module is loaded from the installed library by its file path, so a
-    conversion does not pay for transformers on its hot path; it is the library's code either way.
-    """
-    if "compressed_tensors" not in sys.modules:
-        spec = importlib.util.find_spec("compressed_tensors")
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(spec.submodule_search_locations[0]) / "compressors" / "pack_quantized" / "helpers.py"
-            if path.is_file():
-                mspec = importlib.util.spec_from_file_location("_expq_compressed_tensors_pack_helpers", path)
-                mod = importlib.util.module_from_spec(mspec)
-                mspec.loader.exec_module(mod)
-                return mod.pack_to_int32, mod.unpack_from_int32
-    try:
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-    except ImportError:  # compressed-tensors < 0.19 kept them here
-        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (  # type: ignore
-            pack_to_int32, unpack_from_int32)
-    return pack_to_int32, unpack_from_int32
+_ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+# vLLM 0.24 looks a MoE layer's experts up as `<layer>.0.gate_proj / up_proj / down_proj` whatever the model calls
+# them (docs/research-vllm-names.md): the targets pattern carries these names too.
+VLLM_024_NAMES = ("gate_proj", "up_proj", "down_proj")
+_LINEAR = torch.nn.Linear(1, 1, device="meta")  # the class compressed-tensors matches the "Linear" target against
 
 
 def _by_row_blocks(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, fn, cols: int | None = None):
-    """``fn(x)``, computed on blocks of about PACK_BLOCK elements of rows when on a CPU (per-row functions only)."""
+    """``fn(x)``, computed on blocks of about PACK_BLOCK elements of rows when on a CPU (per-row functions only:
+    blocks of rows stay in cache, about 4x faster than one call, and give the same words)."""
     cols = x.shape[1] if cols is None else cols
     if x.device.type != "cpu" or shape[0] * cols <= PACK_BLOCK:
         return fn(x)
@@ -79,81 +48,147 @@ def _by_row_blocks(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, 
     return out
 
 
-def encode(codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
-    """Turn int8 codes [rows, in] and scales [rows] (compute dtype) into the format's tensors, in
-    ``tensor_specs`` order, for a batch of matrices stacked by rows (packing is per row, so a batch packs as one).
+class CompressedTensorsFormat:
+    """compressed-tensors pack-quantized, 8-bit int, symmetric, channel-wise, weight-only (W8A16).
 
-    Returns:
-        [weight_packed int32 [rows, ceil(in/4)], weight_scale [rows, 1], weight_shape int64 [2]] (on codes' device;
-        ``weight_shape`` is (rows, in) of the whole batch: callers slice per matrix and rebuild it).
+    Args:
+        experts: the model's expert map. compute_dtype: the scales' dtype.
     """
-    pack_to_int32, _ = packing_functions()
-    rows, cols = codes.shape
-    # packing is per row: blocks of rows give the same words, about 4x faster on a CPU (they stay in cache)
-    packed = _by_row_blocks(codes, (rows, math.ceil(cols / 4)), torch.int32, lambda blk: pack_to_int32(blk, 8))
-    return [packed, scales.unsqueeze(1), torch.tensor([rows, cols], dtype=torch.int64)]
 
+    name: ClassVar[str] = "compressed-tensors"
+    SUFFIXES: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
 
-def decode(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``encode`` for one module: (codes int8 [out, in], scales [out] in the stored dtype).
+    def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):
+        self.experts = experts
+        self.compute_dtype = compute_dtype
 
-    Raises:
-        ValueError: the tensors do not fit together (shape, dtype).
-    """
-    _, unpack_from_int32 = packing_functions()
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
-    if shape.numel() != 2:
-        raise ValueError(f"weight_shape must hold 2 values, got {shape.tolist()}")
-    out, cols = (int(x) for x in shape.tolist())
-    if packed.shape[0] != out or packed.shape[1] != math.ceil(cols / 4):
-        raise ValueError(f"weight_packed {list(packed.shape)} does not fit weight_shape {[out, cols]}")
-    if scale.shape not in ((out, 1), (out,)):
-        raise ValueError(f"weight_scale {list(scale.shape)} does not fit {out} rows")
-    codes = _by_row_blocks(packed, (out, cols), torch.int8,  # bounded int32 temporaries
-                           lambda blk: unpack_from_int32(blk, 8, torch.Size([blk.shape[0], cols])), cols)
-    return codes, scale.reshape(out)
+    # --- writing --------------------------------------------------------------------------------------------------
+    def tensor_specs(self, matrix: Matrix) -> list[TensorSpec]:
+        """``weight_packed`` I32 [out, ceil(in/4)], ``weight_scale`` [out, 1] in the compute dtype,
+        ``weight_shape`` I64 [2]."""
+        m = matrix.module
+        return [TensorSpec(f"{m}.weight_packed", "I32", (matrix.rows, math.ceil(matrix.cols / 4))),
+                TensorSpec(f"{m}.weight_scale", _ST[self.compute_dtype], (matrix.rows, 1)),
+                TensorSpec(f"{m}.weight_shape", "I64", (2,))]
 
+    def encode(self, codes: torch.Tensor, scales: torch.Tensor,
+               matrices: Sequence[Matrix]) -> list[list[tuple[TensorSpec, torch.Tensor]]]:
+        """Pack the batch once (packing is per row), then cut it per matrix. See ``Format.encode``."""
+        rows, cols = codes.shape
+        packed = _by_row_blocks(codes, (rows, math.ceil(cols / 4)), torch.int32, lambda b: pack_to_int32(b, 8)).cpu()
+        scale2d = scales.to(self.compute_dtype).unsqueeze(1).cpu()
+        out, r0 = [], 0
+        for m in matrices:
+            sl = slice(r0, r0 + m.rows)
+            r0 += m.rows
+            p_spec, s_spec, sh_spec = self.tensor_specs(m)
+            out.append([(p_spec, packed[sl]), (s_spec, scale2d[sl]),
+                        (sh_spec, torch.tensor([m.rows, m.cols], dtype=torch.int64))])
+        return out
 
-def targets_regex(names: list[str], container: str = "experts") -> str:
-    """The ``targets`` entry matching routed-expert projection modules: ``re:.*experts\\.\\d+\\.(names)$``.
+    # --- reading --------------------------------------------------------------------------------------------------
+    def decode(self, module: str, read: ReadByName) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpack one module with compressed-tensors' ``unpack_from_int32``. See ``Format.decode``."""
+        packed, scale, shape = (read(f"{module}.{s}") for s in self.SUFFIXES)
+        if packed.dtype != torch.int32 or packed.dim() != 2:
+            raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
+        if shape.numel() != 2:
+            raise ValueError(f"weight_shape must hold 2 values, got {shape.tolist()}")
+        out, cols = (int(x) for x in shape.tolist())
+        if packed.shape[0] != out or packed.shape[1] != math.ceil(cols / 4):
+            raise ValueError(f"weight_packed {list(packed.shape)} does not fit weight_shape {[out, cols]}")
+        if scale.shape not in ((out, 1), (out,)):
+            raise ValueError(f"weight_scale {list(scale.shape)} does not fit {out} rows")
+        codes = _by_row_blocks(packed, (out, cols), torch.int8,  # bounded int32 temporaries
+                               lambda b: unpack_from_int32(b, 8, torch.Size([b.shape[0], cols])), cols)
+        return codes, scale.reshape(out)
 
-    vLLM 0.24 asks for ``<moe layer>.0.gate_proj`` / ``.up_proj`` / ``.down_proj`` whatever the model calls its
-    experts (and its layer name ends in ``experts.routed_experts``), newer vLLM and transformers use the model's
-    own names: the pattern carries both. Shared experts (``shared_expert(s).gate_proj``: no index) never match.
-    ``container`` is the module path right before the expert index (a layout's ``output.targets_container``).
-    """
-    alts = sorted(set(names) | {"gate_proj", "up_proj", "down_proj"})
-    return "re:.*" + re.escape(container) + r"\.\d+\.(" + "|".join(re.escape(a) for a in alts) + r")$"
+    def owns(self, name: str) -> bool:
+        module, _, suffix = name.rpartition(".")
+        return suffix in self.SUFFIXES and self.experts.parse_module(module) is not None
 
+    def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
+        out = {}
+        for n in names:
+            if n.endswith(".weight_packed"):
+                module = n[: -len(".weight_packed")]
+                key = self.experts.parse_module(module)
+                if key is not None:
+                    out[key] = module
+        return out
 
-def quantization_config(targets: list[str], ignore: list[str]) -> dict:
-    """The ``quantization_config`` dict for config.json, built with compressed-tensors' classes and serialised
-    by its ``ModelCompressor.update_config`` (so the fields are exactly those the installed library writes)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    # --- quantization_config --------------------------------------------------------------------------------------
+    def targets(self) -> list[str]:
+        """One regex matching exactly the routed-expert modules: ``re:.*<container>\\.\\d+\\.(names)$``, with the
+        layout's output names and vLLM 0.24's; shared experts (no index) never match."""
+        alts = sorted(set(self.experts.output_projection_names) | set(VLLM_024_NAMES))
+        container = self.experts.layout.targets_container
+        return ["re:.*" + re.escape(container) + r"\.\d+\.(" + "|".join(re.escape(a) for a in alts) + r")$"]
 
-    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=-1,
-                               dynamic=False)
-    scheme = QuantizationScheme(targets=targets, weights=weights, format="pack-quantized")
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=ignore)
-    with tempfile.TemporaryDirectory() as d:
-        ModelCompressor(quantization_config=qc).update_config(d)
-        return json.loads((Path(d) / "config.json").read_text())["quantization_config"]
+    def ignore(self, tensors: Mapping[str, TensorLike]) -> list[str]:
+        """Every other linear module (and ``lm_head`` when tied embeddings leave it without a tensor), sorted."""
+        ignore = self.experts.linear_modules(tensors)
+        if "lm_head" not in ignore and not any(n.startswith("lm_head.") for n in tensors):
+            ignore.append("lm_head")
+        return sorted(ignore)
 
+    def _config_object(self, tensors: Mapping[str, TensorLike]):
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-def module_matches(name: str, targets: list[str], ignore: list[str], is_linear: bool = True) -> bool:
-    """Whether a module is quantized by this config: it matches a target (a ``re:`` pattern, its exact name, or the
-    class name ``Linear`` for a linear module) and no ``ignore`` entry (same forms). Used by ``verify`` to check that
-    the targets cover exactly the quantized modules."""
-    def hit(pats: list[str]) -> bool:
-        for p in pats:
-            if p.startswith("re:"):
-                if re.match(p[3:], name):
-                    return True
-            elif p == name or (p == "Linear" and is_linear):
-                return True
-        return False
+        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=-1,
+                                   dynamic=False)
+        scheme = QuantizationScheme(targets=self.targets(), weights=weights, format="pack-quantized")
+        return QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                  quantization_status="compressed", ignore=self.ignore(tensors))
 
-    return hit(targets) and not hit(ignore)
+    def quantization_config(self, tensors: Mapping[str, TensorLike]) -> dict:
+        """Built with compressed-tensors' classes and dumped as its ``ModelCompressor.update_config`` writes it
+        (version, quant_method, empty sparsity and transform configs, the config's fields; keys sorted)."""
+        import compressed_tensors
+        from compressed_tensors.base import (COMPRESSION_VERSION_NAME, QUANTIZATION_METHOD, QUANTIZATION_METHOD_NAME,
+                                             SPARSITY_CONFIG_NAME, TRANSFORM_CONFIG_NAME)
+
+        qc = {COMPRESSION_VERSION_NAME: compressed_tensors.__version__, QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
+              SPARSITY_CONFIG_NAME: {}, TRANSFORM_CONFIG_NAME: {},
+              **self._config_object(tensors).model_dump(mode="json", exclude={"quant_method"})}
+        return json.loads(json.dumps(qc, sort_keys=True))
+
+    def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:
+        """The config validates with compressed-tensors, is pack-quantized 8-bit int channel-wise weight-only, and
+        its targets (matched with the library's own ``is_match``) cover exactly the quantized modules."""
+        from compressed_tensors.quantization import QuantizationConfig
+        from compressed_tensors.utils import is_match
+
+        try:
+            parsed = QuantizationConfig.model_validate(config)
+        except Exception as e:  # noqa: BLE001 - any validation failure is the finding
+            return [f"quantization_config does not validate with compressed-tensors: {str(e).splitlines()[0]}"]
+        bad = []
+        if config.get("quant_method") != "compressed-tensors" or config.get("format") != "pack-quantized":
+            bad.append(f"quantization_config: quant_method/format {config.get('quant_method')}/"
+                       f"{config.get('format')}, expected compressed-tensors/pack-quantized")
+        if config.get("quantization_status") != "compressed":
+            bad.append("quantization_config: quantization_status must be 'compressed'")
+        want = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": -1}
+        targets: list[str] = []
+        for g in parsed.config_groups.values():
+            w = g.weights
+            got = {"num_bits": w.num_bits, "type": str(getattr(w.type, "value", w.type)), "symmetric": w.symmetric,
+                   "strategy": str(getattr(w.strategy, "value", w.strategy)), "group_size": w.group_size}
+            if got != want:
+                bad.append(f"quantization_config weights {got}, expected {want}")
+            if g.input_activations is not None:
+                bad.append("quantization_config quantizes activations; experts_int8 is weight-only (W8A16)")
+            targets += list(g.targets)
+        ignore = list(parsed.ignore or [])
+        quantized = set(self.quantized_modules(list(tensors)).values())
+        linear = {n.rsplit(".", 1)[0] for n, t in tensors.items()
+                  if (n.endswith(".weight") and len(t.shape) == 2) or n.endswith(".weight_packed")}
+        matched = {m for m in linear if is_match(m, _LINEAR, targets, ignore)}
+        extra, unmatched = sorted(matched - quantized), sorted(quantized - matched)
+        if extra:
+            bad.append(f"quantization_config targets match {len(extra)} modules that are not quantized, e.g. "
+                       f"{extra[0]}")
+        if unmatched:
+            bad.append(f"quantization_config targets miss {len(unmatched)} quantized modules, e.g. {unmatched[0]}")
+        return bad

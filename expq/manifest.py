@@ -1,0 +1,148 @@
+"""``expq.json``: the typed record of what produced a converted checkpoint, written by ``convert`` and read by
+``verify``, ``load_model``, ``push`` and the model card. No module reads its keys by hand.
+
+Deterministic: no time, no machine, no absolute paths (the same input and options give the same bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import SourceError
+
+MANIFEST = "expq.json"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceRecord(_Record):
+    repo_id: str | None
+    revision: str | None
+    commit: str | None
+    name: str
+
+
+class OptionsRecord(_Record):
+    dtype: str
+    max_shard_size: int
+    layout: str
+    allow_nonfinite: bool
+
+
+class PlanRecord(_Record):
+    """What the plan found (sizes in bytes, layer indices as in the model)."""
+
+    architecture: str | None
+    model_type: str | None
+    layout: str
+    layout_rule: str
+    detected_by: str
+    config_keys: dict[str, str]
+    compute_dtype: str
+    compute_dtype_reason: str
+    num_layers: int
+    moe_layers: list[int]
+    dense_layers: list[int]
+    extra_expert_layers_copied: list[int]
+    routed_experts_per_layer: int
+    top_k: int | None
+    hidden_size: int | None
+    moe_intermediate_size: int | None
+    matrices_quantized: int
+    source_tensors_quantized: int
+    source_tensors_copied: int
+    bytes_quantized_in: int
+    bytes_copied: int
+    bytes_in: int
+    bytes_out: int
+    output_shards: int
+
+
+class RowsRecord(_Record):
+    zero: int
+    underflow: int
+    nonfinite: int
+    underflow_examples: list[str]
+    nonfinite_examples: list[str]
+
+
+class Manifest(_Record):
+    """The contents of ``expq.json`` (field order is the file's key order)."""
+
+    expq_version: str
+    command: str
+    format: str
+    scheme: str
+    source: SourceRecord
+    options: OptionsRecord
+    plan: PlanRecord
+    layout_toml: str
+    activation: str
+    expert_biases: list[str]
+    quantized_modules: int
+    rows: RowsRecord
+    side_files: list[str]
+    skipped_files: list[str]
+    source_card: dict[str, Any]
+    quantized_bytes_out: int
+
+    @classmethod
+    def from_plan(cls, plan, stats, *, allow_nonfinite: bool, command: str, source_card: dict) -> "Manifest":
+        """The manifest of a conversion: ``plan`` (``plan.Plan``), ``stats`` (``pipeline.RunStats``)."""
+        from . import __version__
+
+        s = plan.summary()
+        src = plan.source
+        return cls(
+            expq_version=__version__, command=command, format=plan.format.name, scheme="experts_int8",
+            source=SourceRecord(repo_id=src.repo_id, revision=src.revision, commit=src.commit,
+                                name=src.repo_id or src.root.name),
+            options=OptionsRecord(dtype=s["compute_dtype"], max_shard_size=plan.max_shard_size,
+                                  layout=plan.layout.name, allow_nonfinite=allow_nonfinite),
+            plan=PlanRecord(**{k: s[k] for k in PlanRecord.model_fields}),
+            layout_toml=plan.layout.source_text, activation=plan.layout.activation,
+            expert_biases=list(plan.layout.expert_biases), quantized_modules=len(plan.experts.matrices),
+            rows=RowsRecord(zero=stats.zero_rows, underflow=stats.underflow_rows, nonfinite=stats.nonfinite_rows,
+                            underflow_examples=[str(n) for n in stats.underflow_examples],
+                            nonfinite_examples=[str(n) for n in stats.nonfinite_examples]),
+            side_files=list(src.side_files), skipped_files=list(src.skipped_files), source_card=source_card,
+            quantized_bytes_out=sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs))
+
+    def to_json(self) -> str:
+        """The file's text (2-space indent; values JSON cannot hold, such as dates in a card, as strings)."""
+        return json.dumps(self.model_dump(mode="python"), indent=2, default=str) + "\n"
+
+    @classmethod
+    def load(cls, root: str | Path) -> "Manifest":
+        """Read and validate ``root/expq.json``.
+
+        Raises:
+            SourceError: missing, not JSON, or not an expq manifest (names the first wrong key).
+        """
+        path = Path(root) / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SourceError(f"no {MANIFEST}: not written by expq convert", file=str(root)) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
+                              file=str(path)) from None
+        if not isinstance(data, dict):
+            raise SourceError(f"{MANIFEST} must hold a JSON object", file=str(path))
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(x) for x in err["loc"])
+            raise SourceError(f"not an expq manifest: {key}: {err['msg']}", file=str(path)) from None
+
+    @classmethod
+    def load_optional(cls, root: str | Path) -> "Manifest | None":
+        """``load``, or None when there is no ``expq.json`` (a checkpoint another tool wrote)."""
+        return cls.load(root) if (Path(root) / MANIFEST).is_file() else None
