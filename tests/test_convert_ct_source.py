@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import expq
@@ -16,7 +15,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.xfail(reason="needs logical-tensor plan", strict=False)
 def test_int4_source_converts_like_its_decompressed_twin(tmp_path, tmp_path_factory):
     ct_dir, twin_dir = make_ct_int4_source(example(tmp_path_factory, "qwen3_moe"), tmp_path / "fixtures")
     out_ct, out_twin = tmp_path / "from-ct", tmp_path / "from-twin"
@@ -41,3 +39,31 @@ def test_int4_source_converts_like_its_decompressed_twin(tmp_path, tmp_path_fact
         if name.endswith(".weight_packed"):
             rows, cols = a[name.removesuffix("_packed") + "_shape"].tolist()
             assert t.shape == (rows, -(-cols // 4)), name
+
+
+def test_fp8_dynamic_source_converts_like_its_decompressed_twin(tmp_path, tmp_path_factory):
+    """An FP8-dynamic release (every Linear but routers and lm_head FP8 per channel, dynamic activations): the routed
+    experts are quantized from their decoded weights, attention is written decoded; both as from the bf16 twin."""
+    from ct_fixture import compress_checkpoint, quantization_config, scheme
+
+    sch = scheme(dict(num_bits=8, type="float", symmetric=True, strategy="channel"), ["Linear"], "float-quantized",
+                 dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True))
+    qc = quantization_config({"group_0": sch}, "float-quantized", ["lm_head", r"re:.*mlp\.gate$"])
+
+    def linear(name: str) -> str | None:
+        ok = name.endswith("_proj.weight") and (".mlp.experts." in name or ".self_attn." in name)
+        return name.removesuffix(".weight") if ok else None
+
+    ct_dir, twin_dir = compress_checkpoint(example(tmp_path_factory, "qwen3_moe"), tmp_path / "fp8",
+                                           tmp_path / "fp8-decompressed", linear, sch, qc)
+    out_ct, out_twin = tmp_path / "from-ct", tmp_path / "from-twin"
+    expq.convert(ct_dir, out_ct, device="cpu")
+    expq.convert(twin_dir, out_twin, device="cpu")
+    a, b = read_tensors(out_ct), read_tensors(out_twin)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(_bits(a[name]), _bits(b[name])), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert a[q].dtype == torch.bfloat16 and read_tensors(ct_dir)[q].dtype == torch.float8_e4m3fn
+    assert json.loads((out_ct / "config.json").read_text())["quantization_config"] == \
+        json.loads((out_twin / "config.json").read_text())["quantization_config"]

@@ -457,6 +457,18 @@ def test_refuses_int8_channel_experts(tmp_path, fmt, acts):
         _detect(root)
 
 
+def test_refuses_int8_channel_experts_of_an_unknown_family(tmp_path):
+    """No layout for the model: any experts.<e>.<proj> module counts, so the refusal still comes first."""
+    sch = scheme(dict(num_bits=8, type="int", symmetric=True, strategy="channel"), [EXPERTS], "pack-quantized")
+    root, _, _ = build(tmp_path / "src", sch)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "some_new_moe", ["SomeNewMoeForCausalLM"]
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="already int8 per channel") as e:
+        _detect(root)
+    assert ".mlp.experts." in e.value.tensor
+
+
 def test_int8_channel_elsewhere_is_decoded(tmp_path):
     """int8 per channel on attention only, int4 experts: nothing routed is int8 yet, so it is decoded."""
     orig = originals()

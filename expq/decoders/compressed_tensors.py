@@ -13,9 +13,10 @@ Every other tensor (modules the config ignores, norms, embeddings, routers) is i
 
 Decisions:
 
-* **Never quantize twice.** A source whose routed experts are stored as 8-bit int per channel (what expq itself
-  writes, or any W8A16/W8A8 int8 channel checkpoint) is refused: their codes are another quantizer's, and expq's
-  would be a second rounding on top.
+* **Never quantize twice.** A source whose routed experts (the expert map's answer) are stored as 8-bit int per
+  channel (what expq itself writes, or any W8A16/W8A8 int8 channel checkpoint) is refused: their codes are another
+  quantizer's, and expq's would be a second rounding on top. Other int8 groups (per-group scales, or int8 channel
+  on attention only) are decoded.
 * **Activation quantization is dropped.** Only weights are decoded; the output is weight-only (W8A16, the model's
   activations in the compute dtype). Dynamic activation schemes store nothing; static ones store ``M.input_scale``
   (etc.), which become parts of ``M.weight``'s logical tensor and are read by nobody.
@@ -64,7 +65,7 @@ SCALE_DTYPES = ("BF16", "F16", "F32")
 SHAPE_DTYPES = ("I64", "I32")
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 CLASS_NAME = re.compile(r"[A-Z]\w*")  # a target naming a module class (Linear), not a module
-EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.[^.]+$")  # a routed-expert projection module, whatever the layout
+EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.[^.]+$")  # an expert projection module, any family
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,9 @@ class CompressedTensorsDecoder:
 
     name: ClassVar[str] = NAME
 
-    def __init__(self, qc: Any, compute_dtype: str | None, expert_regex: re.Pattern[str] | None = None):
+    def __init__(self, qc: Any, compute_dtype: str | None):
         self.qc = qc  # compressed-tensors' QuantizationConfig, validated
         self.compute_dtype = compute_dtype
-        self.expert_regex = expert_regex  # the layout's routed-expert tensor regex, when the layout is known
         self.groups = [_Group(n, s, _group_format(qc, s)) for n, s in qc.config_groups.items()
                        if s.weights is not None]
         self.ignore = list(qc.ignore or [])
@@ -117,39 +117,44 @@ class CompressedTensorsDecoder:
             return None
         qc = _validate(raw)
         _check_features(qc, raw)
-        dec = cls(qc, _config_compute_dtype(config), _layout_expert_regex(config))
+        dec = cls(qc, _config_compute_dtype(config))
         for g in dec.groups:
             if g.format not in SUPPORTED:
                 raise SourceError(f"quantization_config group {g.name!r} uses format {g.format!r}; expq decodes "
                                   f"compressed-tensors {', '.join(SUPPORTED)}", file="config.json",
                                   hint=_hint_original())
-        dec._refuse_int8_channel_experts(tensors)
-        if not dec._modules(tensors):
+        modules = dec._modules(tensors)
+        if not modules:
             raise SourceError("quantization_config says compressed-tensors, but no stored tensor is a quantized "
                               "weight (weight_packed, or an F8_E4M3/I8 weight with its weight_scale)",
                               file="config.json")
+        dec._refuse_int8_channel_experts(config, tensors, modules)
         return dec
 
-    def _is_routed_expert(self, module: str) -> bool:
-        if self.expert_regex is not None and self.expert_regex.match(module + ".weight"):
-            return True
-        return EXPERT_MODULE.search(module) is not None
+    def _refuse_int8_channel_experts(self, config: dict, tensors: dict[str, TensorInfo],
+                                     modules: dict[str, LogicalTensor]) -> None:
+        """Refuse when a routed expert is stored quantized by a group of 8-bit int channel weights.
 
-    def _refuse_int8_channel_experts(self, tensors: dict[str, TensorInfo]) -> None:
-        """Refuse when a routed-expert module is stored quantized by a group of 8-bit int channel weights."""
-        suffixes = (".weight_packed", ".weight_scale")
-        modules = dict.fromkeys(n.rpartition(".")[0] for n in tensors if n.endswith(suffixes))
-        for module in modules:
-            g = self._group_of(module)
-            if g is None or not self._is_routed_expert(module):
-                continue
-            w = g.weights
+        Which tensors are routed experts is the expert map's answer (``ExpertMap.from_source`` over the logical
+        tensors); where it has none (no layout for the model, or one that does not fit), any ``experts.<e>.<proj>``
+        module counts, so that the refusal still comes first."""
+        int8 = []
+        for lt in modules.values():
+            w = self._group_of(lt.name.removesuffix(".weight")).weights
             if w.type == "int" and w.num_bits == 8 and w.strategy == "channel":
-                name = f"{module}.weight_packed" if f"{module}.weight_packed" in tensors else f"{module}.weight"
+                int8.append(lt)
+        if not int8:
+            return
+        routed = _routed_expert_names(config, self.logical_tensors(tensors))
+        for lt in int8:
+            module = lt.name.removesuffix(".weight")
+            hit = lt.name in routed if routed is not None else EXPERT_MODULE.search(module) is not None
+            if hit:
+                g = self._group_of(module)
                 raise SourceError(
                     "the source is already quantized: its routed experts are already int8 per channel "
                     f"(compressed-tensors group {g.name!r}: {g.format}, 8-bit int, strategy channel, e.g. {module}): "
-                    "expq never quantizes twice", file="config.json", tensor=name, hint=_hint_original())
+                    "expq never quantizes twice", file="config.json", tensor=lt.stored.name, hint=_hint_original())
 
     # --- module matching -------------------------------------------------------------------------------------------
     def _group_of(self, module: str) -> _Group | None:
@@ -366,11 +371,13 @@ def _config_compute_dtype(config: dict) -> str | None:
     return None
 
 
-def _layout_expert_regex(config: dict) -> re.Pattern[str] | None:
+def _routed_expert_names(config: dict, logical: dict[str, LogicalTensor]) -> set[str] | None:
+    """The logical tensors the expert map calls routed experts, or None when it cannot be built."""
+    from ..experts import ExpertMap
     from ..layouts import detect_layout
 
     try:
-        return detect_layout(config)[0].expert_regex()
+        return set(ExpertMap.from_source(detect_layout(config)[0], config, logical).tensors)
     except LayoutError:
         return None
 
