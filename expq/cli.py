@@ -190,8 +190,8 @@ def inspect(
                          f"{len(s['side_files'])} side files"),
              ("output format", s["format"]),
              ("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
-    if s["source_tensors_decoded"]:
-        rows.append(("decoded from the source format", f"{s['source_tensors_decoded']} tensors"))
+    for how, n in s["decoded_as"].items():
+        rows.append(("decoded from the source format", f"{n} {how}"))
     if s["skipped_files"]:
         rows.append(("not copied (other weight formats)", ", ".join(s["skipped_files"][:6])))
     for k, v in rows:

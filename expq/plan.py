@@ -139,6 +139,7 @@ class Plan:
             "source_tensors_quantized": len(q_src),
             "source_tensors_copied": len(self.copied),
             "source_tensors_decoded": sum(1 for j in self.jobs if j.source.decoded),
+            "decoded_as": self.decoded_as(),
             "bytes_quantized_in": sum(t.nbytes_stored for t in q_src),
             "bytes_copied": sum(t.nbytes_stored for t in self.copied),
             "bytes_in": self.bytes_in,
@@ -148,6 +149,15 @@ class Plan:
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,
         }
+
+    def decoded_as(self) -> dict[str, int]:
+        """How the quantized source tensors are decoded: ``"<routed experts|other> <how>"`` -> count."""
+        out: dict[str, int] = {}
+        for j in self.jobs:
+            if j.source.decoded:
+                key = f"{'routed experts' if j.kind == 'quantize' else 'other tensors'}: {j.source.how}"
+                out[key] = out.get(key, 0) + 1
+        return out
 
     def tensor_table(self) -> list[dict]:
         """Every logical source tensor and what happens to it (what ``expq inspect --tensors`` lists)."""

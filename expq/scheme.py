@@ -8,7 +8,7 @@ arithmetic in the parameter dtype). For a matrix ``w`` [out, in] held in the com
     q     = clamp(round(w / scale), -127, 127)   (w / scale rounded to d first, then half-to-even to an integer)
     codes = int8(q), one scale per output row
 
-Two points decide bit-exactness (see ``docs/scheme.md``):
+Two points decide bit-exactness (measured on an H200; README "The scheme"):
 
 * On CUDA, ``tensor / python_scalar`` is computed as a multiplication by the fp32 reciprocal (``opmath``):
   ``d(float(amax) * fp32(1/127))``. The CPU divides instead, which differs for fp32 inputs. We follow CUDA, on every

@@ -172,32 +172,52 @@ def read_header(path: Path, rel: str) -> Shard:
 
 def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
                 commit: str | None = None) -> Source:
-    """Read and validate a local checkpoint directory (config, index, shard headers, side files).
+    """Read and validate a local checkpoint directory.
+
+    Steps: read config.json; find the shard files (index, or the single file); read and check every shard header;
+    check the index against the headers; list the side files; detect the source format (``decoders``).
 
     Raises:
         SourceError: missing config.json or weights, an index that names missing files or tensors, a tensor stored
-            twice, or any shard error from ``read_header``.
+            twice, any shard error from ``read_header``, or a quantized format no decoder handles.
     """
+    from .decoders import detect
+
     root = Path(root)
     if not root.is_dir():
         raise SourceError("not a directory", file=str(root))
+    config = _read_config(root)
+    weight_map, files = _shard_files(root)
+    shards, tensors = _read_shards(root, files)
+    if weight_map is not None:
+        _check_index(root, weight_map, tensors)
+    side, skipped = _side_files(root, set(files))
+    decoder = detect(config, tensors)
+    return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
+                  decoder=decoder, logical=decoder.logical_tensors(tensors), repo_id=repo_id, revision=revision,
+                  commit=commit)
+
+
+def _read_config(root: Path) -> dict:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise SourceError("no config.json: not a Hugging Face checkpoint directory", file=str(root))
     try:
         config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SourceError(f"not valid JSON: {e}", file=str(cfg_path)) from None
     if not isinstance(config, dict):
         raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
+    return config
 
+
+def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """(the index's weight map or None, the shard files in name order)."""
     index_path = root / INDEX_NAME
-    weight_map: dict[str, str] | None = None
     if index_path.is_file():
         try:
-            idx = json.loads(index_path.read_text())
-            weight_map = idx["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise SourceError("weight_map must map tensor names to file names", file=str(index_path))
@@ -207,22 +227,22 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
             if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
                 raise SourceError(f"weight_map names a file outside the checkpoint directory: {rel!r}",
                                   file=str(index_path))
-    elif (root / SINGLE_NAME).is_file():
-        files = [SINGLE_NAME]
-    else:
-        found = sorted(p.name for p in root.glob("*.safetensors"))
-        if len(found) == 1:
-            files = found
-        elif found:
-            raise SourceError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the "
-                              "model's weights", file=str(root))
-        else:
-            others = sorted(p.name for p in root.iterdir() if WEIGHT_FILE.search(p.name))
-            extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
-            raise SourceError(f"no safetensors weights{extra}", file=str(root))
+        return weight_map, files
+    if (root / SINGLE_NAME).is_file():
+        return None, [SINGLE_NAME]
+    found = sorted(p.name for p in root.glob("*.safetensors"))
+    if len(found) == 1:
+        return None, found
+    if found:
+        raise SourceError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the "
+                          "model's weights", file=str(root))
+    others = sorted(p.name for p in root.iterdir() if WEIGHT_FILE.search(p.name))
+    extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
+    raise SourceError(f"no safetensors weights{extra}", file=str(root))
 
-    shards = []
-    tensors: dict[str, TensorInfo] = {}
+
+def _read_shards(root: Path, files: list[str]) -> tuple[list[Shard], dict[str, TensorInfo]]:
+    shards, tensors = [], {}
     for rel in files:
         p = root / rel
         if not p.is_file():
@@ -234,37 +254,34 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
                 raise SourceError(f"tensor stored twice (also in {tensors[ti.name].file})", file=str(p),
                                   tensor=ti.name)
             tensors[ti.name] = ti
-    if weight_map is not None:
-        for name, rel in weight_map.items():
-            got = tensors.get(name)
-            if got is None:
-                raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=str(root / rel), tensor=name)
-            if got.file != rel:
-                raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=str(root / rel),
-                                  tensor=name)
-        extra = sorted(set(tensors) - set(weight_map))
-        if extra:
-            raise SourceError(f"tensor not listed in {INDEX_NAME}", file=str(root / tensors[extra[0]].file),
-                              tensor=extra[0])
+    return shards, tensors
 
+
+def _check_index(root: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+    for name, rel in weight_map.items():
+        got = tensors.get(name)
+        if got is None:
+            raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=str(root / rel), tensor=name)
+        if got.file != rel:
+            raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=str(root / rel),
+                              tensor=name)
+    extra = sorted(set(tensors) - set(weight_map))
+    if extra:
+        raise SourceError(f"tensor not listed in {INDEX_NAME}", file=str(root / tensors[extra[0]].file),
+                          tensor=extra[0])
+
+
+def _side_files(root: Path, weight_files: set[str]) -> tuple[list[str], list[str]]:
+    """(files to copy, weight files in other formats that are not copied), relative paths, sorted."""
     side, skipped = [], []
-    weight_files = set(files)
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_dir() or rel.startswith(".") or "/." in rel:
             continue
         if rel in weight_files or rel in (INDEX_NAME, "config.json"):
             continue
-        if WEIGHT_FILE.search(rel):
-            skipped.append(rel)
-        else:
-            side.append(rel)
-    from .decoders import detect
-
-    decoder = detect(config, tensors)
-    return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
-                  decoder=decoder, logical=decoder.logical_tensors(tensors), repo_id=repo_id, revision=revision,
-                  commit=commit)
+        (skipped if WEIGHT_FILE.search(rel) else side).append(rel)
+    return side, skipped
 
 
 def resolve_source(src: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Source:

@@ -24,7 +24,7 @@ def seed_reference(weight: torch.Tensor, *, cuda_scalar_rule: bool = False) -> t
     device): scales = max(|w|, dim=1) / 127; w /= scales; round; clamp to [-127, 127]; cast to int8.
 
     ``cuda_scalar_rule``: on a CPU, perform ``/ 127`` as CUDA does (multiply by fp32(1/127) in fp32, then round to
-    the dtype) instead of the CPU's true division; needed for float32 only (see docs/scheme.md).
+    the dtype) instead of the CPU's true division; needed for float32 only (README: CUDA's arithmetic).
     Returns (codes int8 [out, in], scales [out] in the dtype).
     """
     w = weight.clone()

@@ -200,7 +200,7 @@ def test_compute_dtype(tmp_path, tmp_path_factory, dtype, flag, compute):
     got = decode_output(tmp_path / "o")
     for key, w in expected.items():
         codes, scales, module = got[key]
-        rule = compute == torch.float32  # CPU reference with CUDA's scalar division (see docs/scheme.md)
+        rule = compute == torch.float32  # CPU reference with CUDA's scalar division (README: CUDA's arithmetic)
         ref_codes, ref_scales = seed_reference(w.to(compute), cuda_scalar_rule=rule)
         assert scales.dtype == compute
         assert torch.equal(codes, ref_codes), module

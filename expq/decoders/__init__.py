@@ -10,9 +10,13 @@ from ..errors import SourceError
 from ..source import TensorInfo
 from .base import Decoder, LogicalTensor, ReadFn
 from .compressed_tensors import CompressedTensorsDecoder
+from .mxfp4 import Mxfp4Decoder
 from .plain import PlainDecoder
 
-DECODERS: list[type] = [CompressedTensorsDecoder]
+DECODERS: list[type] = [
+    Mxfp4Decoder,
+    CompressedTensorsDecoder,
+]
 """Quantized source formats, tried in order (each in its own file next to this one)."""
 
 __all__ = ["Decoder", "LogicalTensor", "ReadFn", "PlainDecoder", "DECODERS", "detect", "source_quantization_config"]

@@ -1,0 +1,83 @@
+"""End to end from an MXFP4 GPT-OSS source: converting the MXFP4 checkpoint gives the same output as converting the
+bf16 checkpoint that transformers' own dequantizer makes of it; and transformers itself loads the MXFP4 fixture into
+its bf16 GptOssExperts with exactly the tensors the decoder produces."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from helpers import example, raw_bytes, read_tensors
+from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
+
+import expq
+from expq.decoders import detect
+from expq.decoders.mxfp4 import Mxfp4Decoder
+from expq.source import open_source, read_tensor
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    bf16 = example(tmp_path_factory, "gpt_oss", **FIXTURE_OVERRIDES)
+    return make_mxfp4_gpt_oss(bf16, tmp_path_factory.mktemp("mxfp4-gpt-oss"))
+
+
+def test_fixture_is_stored_as_published(sources):
+    mx, deq = sources
+    src = open_source(mx)
+    p = "model.layers.0.mlp.experts."
+    heads = {n: (t.dtype, t.shape) for n, t in src.tensors.items() if n.startswith(p)}
+    assert heads == {p + "gate_up_proj_blocks": ("U8", (4, 192, 2, 16)), p + "gate_up_proj_scales": ("U8", (4, 192, 2)),
+                     p + "gate_up_proj_bias": ("BF16", (4, 192)),
+                     p + "down_proj_blocks": ("U8", (4, 64, 3, 16)), p + "down_proj_scales": ("U8", (4, 64, 3)),
+                     p + "down_proj_bias": ("BF16", (4, 64))}
+    assert src.config["quantization_config"]["quant_method"] == "mxfp4"
+    assert "quantization_config" not in open_source(deq).config
+
+
+def test_transformers_loads_the_mxfp4_fixture_as_the_decoder_decodes_it(sources):
+    """transformers (CPU, no kernels: it dequantizes) puts the experts in GptOssExperts [E, in, out]; the decoder's
+    logical tensors have the same names, shapes and bits."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    mx, _ = sources
+    model = AutoModelForCausalLM.from_pretrained(mx, quantization_config=Mxfp4Config(dequantize=True),
+                                                 dtype=torch.bfloat16)
+    assert isinstance(model.model.layers[0].mlp.experts, GptOssExperts)
+    held = model.state_dict()
+    src = open_source(mx)
+    dec = detect(src.config, src.tensors)
+    assert isinstance(dec, Mxfp4Decoder)
+    decoded = [lt for lt in dec.logical_tensors(src.tensors).values() if lt.decoded]
+    assert len(decoded) == 4  # 2 layers x (gate_up_proj, down_proj)
+    for lt in decoded:
+        got = dec.decode(lt, functools.partial(read_tensor, src.root))
+        assert held[lt.name].dtype == torch.bfloat16 and tuple(held[lt.name].shape) == lt.shape == tuple(got.shape)
+        assert torch.equal(held[lt.name].view(torch.int16), got.view(torch.int16)), lt.name
+
+
+def test_convert_mxfp4_equals_convert_of_its_dequantized_bf16(sources, tmp_path):
+    mx, deq = sources
+    out1, out2 = tmp_path / "from-mxfp4", tmp_path / "from-bf16"
+    expq.convert(mx, out1, device="cpu")
+    expq.convert(deq, out2, device="cpu")
+    t1, t2 = read_tensors(out1), read_tensors(out2)
+    assert not [n for n in t1 if n.endswith(("_blocks", "_scales"))]
+    assert sorted(t1) == sorted(t2)
+    experts = [n for n in t1 if ".mlp.experts." in n and n.endswith(("weight_packed", "weight_scale"))]
+    assert len(experts) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (codes, scales)
+    for n in t1:
+        assert t1[n].dtype == t2[n].dtype and t1[n].shape == t2[n].shape, n
+        assert raw_bytes(t1[n]) == raw_bytes(t2[n]), n
+    c1, c2 = (json.loads((o / "config.json").read_text()) for o in (out1, out2))
+    assert c1["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert "mxfp4" not in json.dumps(c1) and "modules_to_not_convert" not in json.dumps(c1["quantization_config"])
+    assert c1 == c2
+    plan = expq.inspect(mx).summary()
+    assert (plan["source_format"], plan["source_tensors_decoded"], plan["source_tensors_quantized"]) == ("mxfp4", 4, 4)
+    assert expq.inspect(deq).summary()["source_format"] == "none"
+    side = lambda o: sorted(p.name for p in o.iterdir() if not p.name.endswith(".safetensors"))  # noqa: E731
+    assert side(out1) == side(out2)
