@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..errors import SourceError
 from ..source import TensorInfo
 from .base import Decoder, LogicalTensor, ReadFn
+from .compressed_tensors import CompressedTensorsDecoder
 from .fp8_block import Fp8BlockDecoder
 from .mxfp4 import Mxfp4Decoder
 from .plain import PlainDecoder
@@ -16,6 +17,7 @@ from .plain import PlainDecoder
 DECODERS: list[type] = [
     Fp8BlockDecoder,
     Mxfp4Decoder,
+    CompressedTensorsDecoder,
 ]
 """Quantized source formats, tried in order (each in its own file next to this one)."""
 
