@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import LayoutError, SourceError
-from .experts import ExpertMap
+from .experts import ExpertMap, w13_rows
 from .formats import FORMATS, Format, get_format
 from .layouts import Layout, builtin_layout, detect_layout, parse_layout
 from .manifest import MANIFEST, Manifest
@@ -51,11 +51,6 @@ class LayerExperts:
         if self.w2_bias is not None:
             d["w2_bias"] = self.w2_bias
         return d
-
-
-def w13_rows(proj: str, intermediate: int) -> slice:
-    """Rows of ``w13`` [E, 2I, H] holding ``proj`` ("gate": the first I, "up": the next I), as vLLM fuses them."""
-    return slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
 
 
 class ConvertedCheckpoint:

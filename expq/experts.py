@@ -24,6 +24,11 @@ from .errors import LayoutError
 from .layouts import PROJECTIONS, Layout, config_lookup, moe_layer_indices, shared_facts
 
 
+def w13_rows(proj: str, intermediate: int) -> slice:
+    """Rows of ``w13`` [E, 2I, H] holding ``proj`` ("gate": the first I, "up": the next I), as vLLM fuses them."""
+    return slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
+
+
 class TensorLike(Protocol):
     """What the expert map needs of a tensor: its name, shape and file (a ``LogicalTensor`` or ``TensorInfo``)."""
 
