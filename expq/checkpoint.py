@@ -20,7 +20,8 @@ from .formats import FORMATS, Format, get_format
 from .layouts import Layout, builtin_layout, detect_layout, parse_layout
 from .manifest import MANIFEST, Manifest
 from .scheme import COMPUTE_DTYPES
-from .source import INDEX_NAME, SINGLE_NAME, TORCH_DTYPES, Shard, TensorInfo, read_header, read_tensor
+from .source import (INDEX_NAME, SINGLE_NAME, TORCH_DTYPES, Shard, TensorInfo, read_config, read_header,
+                     read_tensor)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ConvertedCheckpoint:
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
-        self.config = _read_config(self.root)
+        self.config = read_config(self.root)
         self.quantization_config = self.config.get("quantization_config")
         if not isinstance(self.quantization_config, dict):
             raise SourceError("config.json has no quantization_config: not a converted checkpoint",
@@ -196,19 +197,6 @@ class ConvertedCheckpoint:
             res.w13_bias = self.experts.w13_rows(self.read(gu_name)) if gu_name in self.tensors else None
             res.w2_bias = self.read(d_name) if d_name in self.tensors else None
         return res
-
-
-def _read_config(root: Path) -> dict:
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise SourceError("no config.json: not a checkpoint directory", file=str(root))
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise SourceError(f"not valid JSON: {e}", file="config.json") from None
-    if not isinstance(config, dict):
-        raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
-    return config
 
 
 def _read_index(root: Path) -> tuple[dict | None, dict[str, str] | None, list[str]]:

@@ -186,7 +186,7 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     root = Path(root)
     if not root.is_dir():
         raise SourceError("not a directory", file=str(root))
-    config = _read_config(root)
+    config = read_config(root)
     weight_map, files = _shard_files(root)
     shards, tensors = _read_shards(root, files)
     if weight_map is not None:
@@ -198,7 +198,12 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
                   commit=commit)
 
 
-def _read_config(root: Path) -> dict:
+def read_config(root: Path) -> dict:
+    """``root/config.json`` as a dict.
+
+    Raises:
+        SourceError: missing, not JSON, or not a JSON object.
+    """
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise SourceError("no config.json: not a Hugging Face checkpoint directory", file=str(root))
