@@ -145,7 +145,7 @@ class Plan:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "output_shards": len(self.shard_names),
-            "targets": getattr(self.format, "targets", lambda: [])(),
+            "targets": self.format.targets(),
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,
         }

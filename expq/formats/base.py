@@ -74,6 +74,10 @@ class Format(Protocol):
         """(layer, expert, proj) -> module name for every quantized module present among tensor ``names``."""
         ...
 
+    def targets(self) -> list[str]:
+        """The module patterns the ``quantization_config`` quantizes (what ``inspect`` shows)."""
+        ...
+
     def quantization_config(self, tensors: Mapping[str, TensorLike]) -> dict:
         """The ``quantization_config`` of config.json for a model whose logical tensors are ``tensors``."""
         ...
