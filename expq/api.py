@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import __version__
 from .devices import parse_devices
-from .errors import UsageError
+from .errors import Interrupted, UsageError
 from .formats import FORMATS
 from .layouts import Layout
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, FileRecord, Manifest
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, resolve_source
-from .writer import OutputDir, ShardSet, config_json, index_json
+from .writer import STOP, OutputDir, OutputError, ShardSet, config_json, index_json, sha256_file
 
 
 @dataclass
@@ -54,6 +59,8 @@ class ConvertReport:
     nonfinite_rows: int
     underflow_examples: list[str] = field(default_factory=list)
     nonfinite_examples: list[str] = field(default_factory=list)
+    up_to_date: bool = False  # OUT already held exactly this conversion: nothing was done
+    shards_resumed: int = 0  # output shards an interrupted earlier run had finished, kept (content checked)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,24 +131,90 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    outdir = OutputDir(out, overwrite=overwrite, src_root=source.root)
+    settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
+    outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
+    if outdir.up_to_date():
+        outdir.finish_up_to_date()
+        return _report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0, up_to_date=True)
+    outdir.start()
     shards = ShardSet(plan, outdir, fsync=fsync)
     try:
-        if on_plan:
-            on_plan(plan)
-        stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress)
-        _write_side_files(plan, outdir, stats, allow_nonfinite, _command(plan, dtype, allow_nonfinite,
-                                                                          layout is not None))
-        outdir.commit()
-    except BaseException:
+        with stop_on_signals() as stop:
+            if on_plan:
+                on_plan(plan)
+            stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
+                             done_jobs=outdir.done_jobs, stop=stop)
+            man = _write_side_files(plan, outdir, stats, allow_nonfinite, settings,
+                                    _command(plan, dtype, allow_nonfinite, layout is not None))
+            outdir.commit()
+    except BaseException as e:
         shards.close_all()
-        outdir.abort()
+        if isinstance(e, (Interrupted, OSError, OutputError)):
+            outdir.release()  # staging and journal stay: the same command resumes
+            if isinstance(e, Interrupted):
+                raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
+                                  f"{len(shards.closed)} of {len(plan.shard_names)} shards are kept: re-run the same "
+                                  "command to resume") from None
+        else:
+            outdir.discard()
         raise
-    return _report(plan, outdir, stats, devices, time.perf_counter() - t0)
+    return _report(plan, outdir, man, devices, time.perf_counter() - t0)
 
 
-def _report(plan: Plan, outdir: OutputDir, stats: RunStats, devices: list, seconds: float) -> ConvertReport:
-    em, src = plan.experts, plan.source
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP set an event (carrying ``signum``) that stops the workers, instead of killing the
+    process mid-write; the previous handlers come back afterwards. A no-op outside the main thread."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        stop.signum = signum
+        stop.set()
+        STOP.set()
+
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.signal(s, handler) for s in sigs}
+    STOP.clear()
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool) -> dict:
+    """What makes two conversions the same (recorded in the journal and expq.json; resume and the no-op re-run
+    compare it): expq's version, the options, the layout's text, and the source's identity (a Hub commit; else
+    every file's size, each shard header's sha256, and the sha256 of the first and last MiB of each shard's data
+    and of every side file). Deterministic: no paths, no times."""
+    src = plan.source
+    files = []
+    for sh in src.shards:
+        with open(sh.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            head = hashlib.sha256(f.read(n)).hexdigest()
+            f.seek(8 + n)
+            first = f.read(1 << 20)
+            f.seek(max(8 + n, sh.size - (1 << 20)))
+            last = f.read(1 << 20)
+        files.append([sh.file, sh.size, head, hashlib.sha256(first + last).hexdigest()])
+    for rel in ["config.json", *src.side_files]:
+        p = src.root / rel
+        files.append([rel, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()])
+    return {"expq_version": __version__, "format": plan.format.name, "dtype": dtype,
+            "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "max_shard_size": plan.max_shard_size,
+            "layout_sha256": hashlib.sha256(plan.layout.source_text.encode()).hexdigest(),
+            "allow_nonfinite": allow_nonfinite,
+            "source": {"repo_id": src.repo_id, "commit": src.commit} if src.repo_id and src.commit
+            else {"files": files}}
+
+
+def _report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float,
+            up_to_date: bool = False) -> ConvertReport:
+    em, src, rows = plan.experts, plan.source, man.rows
     return ConvertReport(
         out=str(outdir.out), source=src.id, revision=src.revision, commit=src.commit,
         architecture=plan.architecture, model_type=plan.model_type, layout=plan.layout.name, format=plan.format.name,
@@ -150,9 +223,9 @@ def _report(plan: Plan, outdir: OutputDir, stats: RunStats, devices: list, secon
         tensors_quantized=len(em.tensors), tensors_copied=len(plan.copied), matrices_quantized=len(em.matrices),
         side_files_copied=len(src.side_files), shards=len(plan.shard_names), bytes_in=plan.bytes_in,
         bytes_out=plan.bytes_out, seconds=round(seconds, 3), devices=[str(d) for d in devices],
-        zero_rows=stats.zero_rows, underflow_rows=stats.underflow_rows, nonfinite_rows=stats.nonfinite_rows,
-        underflow_examples=[str(n) for n in stats.underflow_examples],
-        nonfinite_examples=[str(n) for n in stats.nonfinite_examples])
+        zero_rows=rows.zero, underflow_rows=rows.underflow, nonfinite_rows=rows.nonfinite,
+        underflow_examples=list(rows.underflow_examples), nonfinite_examples=list(rows.nonfinite_examples),
+        up_to_date=up_to_date, shards_resumed=len(outdir.kept))
 
 
 def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:
@@ -188,7 +261,9 @@ def _source_card(source: Source) -> dict:
         return {}
 
 
-def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool, command: str) -> None:
+def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool, settings: dict,
+                      command: str) -> Manifest:
+    """Side files, index and config.json, then expq.json listing every other file's size and sha256."""
     source = plan.source
     for rel in source.side_files:
         if rel == MANIFEST:
@@ -196,7 +271,10 @@ def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonf
         outdir.copy_file(source.root / rel, rel)
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
-    man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
-                             source_card=_source_card(source))
-    outdir.write_text(MANIFEST, man.to_json())
     outdir.write_text("config.json", config_json(source.config, plan.quantization_config()))
+    files = [FileRecord(name=n, size=(outdir.staging / n).stat().st_size, sha256=sha256_file(outdir.staging / n))
+             for n in outdir.staged_files() if n != MANIFEST]
+    man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
+                             source_card=_source_card(source), settings=settings, files=files)
+    outdir.write_text(MANIFEST, man.to_json())
+    return man

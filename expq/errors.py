@@ -65,3 +65,15 @@ class UnreadableInputError(ExpqError):
     def from_error(cls, e: ExpqError) -> "UnreadableInputError":
         """The same message and location, as an unreadable-input error."""
         return cls(e.message, file=e.file, tensor=e.tensor, expert=e.expert, row=e.row, hint=e.hint)
+
+
+class Interrupted(ExpqError):
+    """The run was stopped by a signal (SIGINT, SIGTERM, SIGHUP): exit status 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str | None = None, **where):
+        import signal
+
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        name = signal.Signals(self.signum).name
+        super().__init__(message or f"interrupted by {name}", **where)

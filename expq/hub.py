@@ -17,11 +17,10 @@ from .checkpoint import ConvertedCheckpoint
 from .errors import ExpqError, UsageError
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
-from .writer import STAGING
 
 TAGS = ["moe", "int8", "experts_int8", "compressed-tensors", "expq"]
 # Never uploaded: caches, staging and temporary files, VCS folders.
-IGNORE = [f"{STAGING}/*", f"{STAGING}/**", ".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
+IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
           "*.tmp", "*.partial", "*.lock", "__pycache__/*"]
 class PushError(ExpqError):
     """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload."""

@@ -81,6 +81,14 @@ class DecodedRecord(_Record):
     tensors_decoded: dict[str, int]
 
 
+class FileRecord(_Record):
+    """One output file: its path relative to OUT, size in bytes and sha256 (hex), as the Hub records LFS files."""
+
+    name: str
+    size: int
+    sha256: str
+
+
 class Manifest(_Record):
     """The contents of ``expq.json`` (field order is the file's key order)."""
 
@@ -101,10 +109,14 @@ class Manifest(_Record):
     source_card: dict[str, Any]
     quantized_bytes_out: int
     decoded: DecodedRecord | None = None  # written only for a quantized source
+    settings: dict[str, Any] | None = None  # the run's settings fingerprint (source identity, options, version)
+    files: list[FileRecord] = []  # every other output file: verify checks each byte without the source
 
     @classmethod
-    def from_plan(cls, plan, stats, *, allow_nonfinite: bool, command: str, source_card: dict) -> "Manifest":
-        """The manifest of a conversion: ``plan`` (``plan.Plan``), ``stats`` (``pipeline.RunStats``)."""
+    def from_plan(cls, plan, stats, *, allow_nonfinite: bool, command: str, source_card: dict, settings: dict,
+                  files: list[FileRecord]) -> "Manifest":
+        """The manifest of a conversion: ``plan`` (``plan.Plan``), ``stats`` (``pipeline.RunStats``), the run's
+        ``settings`` fingerprint and the ``files`` written (every output file but expq.json)."""
         from . import __version__
 
         s = plan.summary()
@@ -123,7 +135,7 @@ class Manifest(_Record):
                             nonfinite_examples=[str(n) for n in stats.nonfinite_examples]),
             side_files=list(src.side_files), skipped_files=list(src.skipped_files), source_card=source_card,
             quantized_bytes_out=sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs),
-            decoded=_decoded(plan))
+            decoded=_decoded(plan), settings=settings, files=files)
 
     def to_json(self) -> str:
         """The file's text (2-space indent; values JSON cannot hold, such as dates in a card, as strings)."""

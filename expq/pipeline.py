@@ -10,13 +10,14 @@ memory at a time, whatever the model's size; the output bytes do not depend on w
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .errors import NonFiniteError
+from .errors import Interrupted, NonFiniteError
 from .plan import Job, Plan
 from .scheme import quantize_matrix
 from .source import TORCH_DTYPES, copy_bytes
@@ -41,7 +42,11 @@ class RowNote:
 
 @dataclass
 class RunStats:
-    """What running the plan found: counts of zero / underflow / non-finite rows, with the first few located."""
+    """What running the plan found: counts of zero / underflow / non-finite rows, with the first few located.
+
+    ``by_job`` holds each quantize job's own findings (job index -> JSON-ready dict), so that a resumed run adds up
+    exactly what a run from scratch would (the aggregates are made in job order by ``finish``).
+    """
 
     zero_rows: int = 0
     underflow_rows: int = 0
@@ -49,11 +54,29 @@ class RunStats:
     underflow_examples: list[RowNote] = field(default_factory=list)
     nonfinite_examples: list[RowNote] = field(default_factory=list)
     jobs_by_device: dict[str, int] = field(default_factory=dict)
+    by_job: dict[int, dict] = field(default_factory=dict)
+
+    def finish(self) -> "RunStats":
+        """Add up ``by_job`` in job order (deterministic whatever the devices and the resumes)."""
+        self.zero_rows = self.underflow_rows = self.nonfinite_rows = 0
+        self.underflow_examples, self.nonfinite_examples = [], []
+        for k in sorted(self.by_job):
+            r = self.by_job[k]
+            self.zero_rows += r["zero"]
+            self.underflow_rows += r["underflow"]
+            self.nonfinite_rows += r["nonfinite"]
+            for kind, dst in (("underflow_examples", self.underflow_examples),
+                              ("nonfinite_examples", self.nonfinite_examples)):
+                dst += [RowNote(*n) for n in r[kind][: MAX_LISTED_ROWS - len(dst)]]
+        return self
 
 
 def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
     out = job.outputs[0]
-    fd, pos = shards.target(out)
+    t = shards.target(out)
+    if t is None:  # its shard was finished by an earlier run
+        return
+    fd, pos = t
     try:
         copy_bytes(plan.source.root, job.source.stored, fd, pos)
     except OSError as e:
@@ -66,7 +89,7 @@ def _run_decode(plan: Plan, job: Job, shards: ShardSet) -> None:
     shards.write(job.outputs[0], plan.source.read_logical(job.source))
 
 
-def _run_quantize(plan: Plan, job: Job, device: torch.device, shards: ShardSet, stats: RunStats,
+def _run_quantize(plan: Plan, index: int, job: Job, device: torch.device, shards: ShardSet, stats: RunStats,
                   allow_nonfinite: bool, lock: threading.Lock) -> None:
     src, et = job.source, job.expert
     t = plan.source.read_logical(src)
@@ -88,6 +111,10 @@ def _run_quantize(plan: Plan, job: Job, device: torch.device, shards: ShardSet, 
                              f"in this tensor, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
                              file=src.file, tensor=src.name, expert=n.expert, row=n.row,
                              hint="pass --allow-nonfinite to reproduce vLLM anyway")
+    rows_found = {"zero": len(rep.zero_rows), "underflow": len(rep.underflow_rows),
+                  "nonfinite": len(rep.nonfinite_rows),
+                  "underflow_examples": [_note(note(r)) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
+                  "nonfinite_examples": [_note(note(r)) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
     encoded = plan.format.encode(codes, scales, et.matrices)
     del codes
     for group, tensors in zip(job.groups, encoded):
@@ -96,46 +123,56 @@ def _run_quantize(plan: Plan, job: Job, device: torch.device, shards: ShardSet, 
                 raise RuntimeError(f"internal: the format returned {spec.name} where the plan has {out.name}")
             shards.write(out, tensor)
     with lock:
-        stats.zero_rows += len(rep.zero_rows)
-        stats.underflow_rows += len(rep.underflow_rows)
-        stats.nonfinite_rows += len(rep.nonfinite_rows)
-        for r in rep.underflow_rows[: MAX_LISTED_ROWS - len(stats.underflow_examples)]:
-            stats.underflow_examples.append(note(r))
-        for r in rep.nonfinite_rows[: MAX_LISTED_ROWS - len(stats.nonfinite_examples)]:
-            stats.nonfinite_examples.append(note(r))
+        stats.by_job[index] = rows_found
+
+
+def _note(n: RowNote) -> list:
+    return [n.tensor, n.layer, n.expert, n.proj, n.row]
 
 
 def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow_nonfinite: bool = False,
-             on_progress: Callable[[int, int], None] | None = None) -> RunStats:
+             on_progress: Callable[[int, int], None] | None = None, done_jobs: dict[int, dict] | None = None,
+             stop: threading.Event | None = None) -> RunStats:
     """Execute every job of ``plan`` on ``devices`` (one worker thread each), writing into ``shards``.
+
+    A job whose outputs all lie in shards an earlier run finished is skipped (for a quantize job, when its row
+    findings are in ``done_jobs``, from the journal).
 
     Args:
         on_progress: called (from worker threads) after each job with (source bytes it consumed, shards finished);
             an exception it raises stops the run like any other error.
+        done_jobs: row findings of quantize jobs an earlier run finished (job index -> dict).
+        stop: when set (an interrupt), workers finish the tensor in hand and stop; ``Interrupted`` is raised.
 
     Returns:
-        RunStats.
+        RunStats (``finish``ed).
 
     Raises:
         NonFiniteError: a routed-expert row holds NaN/inf (unless ``allow_nonfinite``).
         ExpqError: any source read or output write error; the first error stops every worker.
+        Interrupted: ``stop`` was set.
     """
-    stats = RunStats()
+    stats = RunStats(by_job=dict(done_jobs or {}))
+    shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
     lock = threading.Lock()
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    for j in plan.jobs:
-        jobs.put(j)
+    for i, j in enumerate(plan.jobs):
+        if shards.needed(j.outputs) or (j.kind == "quantize" and i not in stats.by_job):
+            jobs.put((i, j))
+        elif on_progress:
+            on_progress(j.source.nbytes_stored, len(shards.closed))
     errors: list[BaseException] = []
-    stop = threading.Event()
+    stop = stop or threading.Event()
+    failed = threading.Event()
 
     def worker(device: torch.device) -> None:
         count = 0
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            while not stop.is_set():
+            while not (stop.is_set() or failed.is_set()):
                 try:
-                    job = jobs.get_nowait()
+                    i, job = jobs.get_nowait()
                 except queue.Empty:
                     break
                 if job.kind == "copy":
@@ -143,14 +180,14 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                 elif job.kind == "decode":
                     _run_decode(plan, job, shards)
                 else:
-                    _run_quantize(plan, job, device, shards, stats, allow_nonfinite, lock)
+                    _run_quantize(plan, i, job, device, shards, stats, allow_nonfinite, lock)
                 count += 1
                 if on_progress:
                     on_progress(job.source.nbytes_stored, len(shards.closed))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             with lock:
                 errors.append(e)
-            stop.set()
+            failed.set()
         finally:
             with lock:
                 stats.jobs_by_device[str(device)] = stats.jobs_by_device.get(str(device), 0) + count
@@ -159,9 +196,12 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive():  # a timed join, so that the main thread runs signal handlers promptly
+            t.join(0.1)
     if errors:
         raise errors[0]
+    if stop.is_set():
+        raise Interrupted(getattr(stop, "signum", signal.SIGINT))
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
-    return stats
+    return stats.finish()

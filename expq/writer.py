@@ -1,21 +1,39 @@
-"""Laying down the output: shards written in place from the plan's offsets, the index, config and side files, all
-under temporary names in ``OUT/.expq-partial/`` and renamed into ``OUT`` only when everything is complete.
+"""Laying down the output: a staging folder beside OUT, a journal that makes a killed run resumable, positional
+shard writes, and one commit point.
 
-A crash leaves at most the hidden staging folder, never a final-named partial file; an error removes it. Shards are
-written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive in any
-order from any device and no output shard is ever held in memory. The staging folder holds an exclusive lock
-(``filelock``, an ``flock`` the OS releases when the process dies), so two conversions never write one OUT.
+* **Staging and journal.** The new checkpoint is built in ``.<OUT>.expq-partial/`` next to OUT. The journal
+  ``.<OUT>.expq-journal.json`` (also next to OUT) records the run's settings fingerprint and, for every output file
+  finished and fsync'd, its size and sha256. A re-run with the same settings keeps the files whose content still
+  matches (checked by hash, never by name) and redoes the rest; different settings are refused unless
+  ``--overwrite``.
+* **One commit point.** When every file is written and fsync'd (and the staging folder too), the staging folder is
+  swapped in with one rename: onto a missing or empty OUT, or, replacing an earlier expq output, by an atomic
+  exchange of the two directories (``renameat2(RENAME_EXCHANGE)``); the old checkpoint is then deleted. At every
+  instant OUT holds the complete old checkpoint or the complete new one. The journal's phase lets the next start
+  finish a commit a kill interrupted. Where the filesystem has no exchange, OUT is first moved aside under a name the
+  journal records, so the next start rolls back or forward.
+* **Lock.** ``.<OUT>.expq-lock`` next to OUT holds an exclusive ``flock`` (released by the OS when the process dies;
+  re-checked against the path's inode after it is taken, so deleting it at the end never lets two runs in).
+  ``filelock`` is not used: its lock file cannot be deleted safely at the end, and a lock file beside every
+  converted model would be litter.
+* **Interrupts.** ``STOP`` is set by convert's signal handlers; workers finish the tensor in hand and stop; files not
+  finished are removed; the journal stays consistent.
 
-Fault seam (for tests, and for anyone who wants to see what a crash leaves): ``EXPQ_FAULT=POINT:N:ACTION[,...]``
-makes the N-th ``write`` (a tensor written into a shard), ``rename`` (a file moved into OUT at the commit) or
-``fsync`` of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or
-``stall`` it there (for a test that acts on a running conversion).
+Shards are written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive
+in any order from any device and no output shard is ever held in memory.
+
+Fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into a
+shard), ``rename`` (the commit's rename or exchange, and the moves of the fallback) or ``fsync`` (any file or folder
+flushed) of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or
+``stall`` it there until interrupted.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import errno
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -26,18 +44,17 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from filelock import FileLock, Timeout
 
 from .errors import ExpqError, UsageError
-from .manifest import MANIFEST
+from .manifest import MANIFEST, Manifest
 from .plan import OutTensor, Plan
-from .source import INDEX_NAME
 
-STAGING = ".expq-partial"
-LOCK = ".lock"  # in the staging folder: the lock file, held (flock) by the conversion writing OUT
-OWNER = ".owner"  # in the staging folder: that conversion's pid, for the message a second one prints
-OLD = ".replaced"  # in the staging folder: an overwritten checkpoint, until the new one is in place
+PARTIAL = ".expq-partial"
+JOURNAL = ".expq-journal.json"
+LOCK = ".expq-lock"
+OLD = ".expq-old"
 FAULT_ENV = "EXPQ_FAULT"
+STOP = threading.Event()  # set when the run is interrupted (signals): workers and stalls stop
 
 
 class OutputError(ExpqError):
@@ -66,13 +83,55 @@ class _Faults:
             return
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if action == "stall":  # hold everything as it is (a slow disk; a run to kill from outside)
-            time.sleep(3600)
+        if action == "stall":  # hold everything as it is until the run is interrupted
+            while not STOP.wait(0.05):
+                pass
+            return
         code = errno.ENOSPC if action == "enospc" else errno.EIO
         raise OSError(code, os.strerror(code))
 
 
 _faults = _Faults(os.environ.get(FAULT_ENV, ""))
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or a directory (its entries) to disk."""
+    _faults.hit("fsync")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256 (hex), as the Hub computes LFS ids."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    _faults.hit("rename")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _rename(a: Path, b: Path) -> None:
+    _faults.hit("rename")
+    os.rename(a, b)
 
 
 def safetensors_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -87,59 +146,185 @@ def safetensors_header(tensors: list[OutTensor], metadata: dict[str, str] | None
 
 
 class OutputDir:
-    """The output directory and its staging area.
+    """The output directory, its staging folder, journal and lock (see the module docstring).
 
     Args:
-        out: the final directory. Must not exist, or be empty, unless ``overwrite``; ``overwrite`` replaces only a
-            checkpoint an earlier ``expq convert`` wrote (one holding ``expq.json``), at ``commit``: the old one stays
-            intact if the conversion fails, and is restored if moving the new files in fails.
+        out: the final directory. Must not exist, be empty, hold an earlier expq output with the same settings (then
+            ``up_to_date`` tells whether there is anything to do), or, with ``overwrite``, an earlier expq output.
+        fingerprint: the run's settings (what makes two runs the same: source identity, options, expq version); a
+            JSON-ready dict.
         src_root: the source directory, which OUT may not be, contain, or sit inside.
 
     Raises:
-        UsageError: OUT is a file, not empty without ``overwrite``, not an expq checkpoint with ``overwrite``,
-            overlaps the source, or another conversion is writing it.
+        UsageError: OUT is a file, holds files expq did not write, holds an expq output (or a partial run) with other
+            settings without ``overwrite`` (the message names what differs), overlaps the source, or another
+            conversion is writing it.
     """
 
-    def __init__(self, out: str | Path, *, overwrite: bool = False, src_root: Path | None = None):
+    def __init__(self, out: str | Path, *, fingerprint: dict, overwrite: bool = False, src_root: Path | None = None):
         self.out = Path(out).expanduser().absolute()
-        if src_root is not None:
-            s = src_root.resolve()
-            o = self.out.resolve()
-            if o == s or s in o.parents or o in s.parents:
-                raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(out))
-        if self.out.exists() and not self.out.is_dir():
-            raise UsageError("OUT exists and is not a directory", file=str(out))
-        existing = sorted(p.name for p in self.out.iterdir() if p.name != STAGING) if self.out.is_dir() else []
-        if existing and not overwrite:
-            raise UsageError(f"OUT is not empty ({len(existing)} entries); pass --overwrite to replace it",
-                             file=str(out))
-        if existing and MANIFEST not in existing:
-            raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
-                             "delete its contents", file=str(out))
-        self._replace = existing
-        self._created = not self.out.exists()
-        self.staging = self.out / STAGING
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._flock = self._lock()
-
-    def _lock(self) -> FileLock:
-        """Take the staging folder's lock, then clear what a killed run left in it."""
-        self.staging.mkdir(exist_ok=True)
-        lock = FileLock(self.staging / LOCK)
+        self.fingerprint = fingerprint
+        self.overwrite = overwrite
+        _check_location(self.out, src_root, out)
+        parent, name = self.out.parent, self.out.name
+        self.staging = parent / f".{name}{PARTIAL}"
+        self.journal_path = parent / f".{name}{JOURNAL}"
+        self.lock_path = parent / f".{name}{LOCK}"
+        self.old_path = parent / f".{name}{OLD}"
+        parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _acquire(self.lock_path, self.out)
+        self._journal_lock = threading.Lock()
+        self.kept: dict[str, dict] = {}
+        self._journal: dict = {}
         try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            try:
-                pid = int((self.staging / OWNER).read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(self.out)) from None
-        for p in self.staging.iterdir():  # left by a run that was killed: we hold the lock, nobody else writes here
-            if p.name != LOCK:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (self.staging / OWNER).write_text(f"{os.getpid()}\n")
-        return lock
+            self._recover()
+            self._check_out()
+        except BaseException:
+            self.release()
+            raise
 
+    def start(self) -> None:
+        """Begin writing: resume a partial run with the same settings (``kept``: the files whose content still
+        matches the journal) or start afresh.
+
+        Raises:
+            UsageError: a partial run with other settings waits (without ``overwrite``), or the staging folder
+                holds files expq did not write.
+        """
+        try:
+            self.kept = self._start()
+        except BaseException:
+            self.release()
+            raise
+
+    def finish_up_to_date(self) -> None:
+        """OUT already holds this conversion: drop a stale partial run of the same settings, give up the lock."""
+        j = self._read_journal()
+        if j is not None and j.get("fingerprint") == self.fingerprint:
+            self.discard()
+        else:
+            self.release()
+
+    # --- start: recover an interrupted commit, check OUT, resume ---------------------------------------------------
+    def _recover(self) -> None:
+        """Finish (or undo) a commit that a kill interrupted, from the journal's phase."""
+        j = self._read_journal()
+        if j is None:
+            return
+        phase = j.get("phase")
+        if phase == "moved-old" and not self.out.exists() and self.old_path.is_dir():
+            os.rename(self.old_path, self.out)  # roll back: the old checkpoint goes back in place
+            self._write_journal(j, phase="writing")
+        elif phase in ("swap", "swapped") and _manifest_fingerprint(self.out) == j.get("fingerprint"):
+            for p in (self.staging, self.old_path):  # the new one is in OUT: drop what the swap left
+                shutil.rmtree(p, ignore_errors=True)
+            self.journal_path.unlink(missing_ok=True)
+        elif phase in ("swap", "swapped", "moved-old"):
+            self._write_journal(j, phase="writing")  # not swapped: the staging folder is still the new one
+        if self.old_path.exists() and self.out.is_dir() and self._read_journal() is None:
+            shutil.rmtree(self.old_path, ignore_errors=True)
+
+    def _check_out(self) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise UsageError("OUT exists and is not a directory", file=str(self.out))
+        entries = sorted(p.name for p in self.out.iterdir()) if self.out.is_dir() else []
+        if not entries:
+            return
+        if MANIFEST not in entries:
+            raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
+                             "delete its contents", file=str(self.out))
+        old = _manifest_fingerprint(self.out)
+        if old != self.fingerprint and not self.overwrite:
+            raise UsageError(f"OUT holds an expq conversion with other settings ({_differences(old, self.fingerprint)})"
+                             "; pass --overwrite to replace it", file=str(self.out))
+
+    def up_to_date(self) -> bool:
+        """Whether OUT already holds exactly this conversion: same settings, and every file the manifest lists is
+        there with its size and sha256 (content checked, not names), and nothing else."""
+        if _manifest_fingerprint(self.out) != self.fingerprint:
+            return False
+        try:
+            m = Manifest.load(self.out)
+        except ExpqError:
+            return False
+        listed = {f.name: f for f in m.files}
+        present = {p.relative_to(self.out).as_posix() for p in self.out.rglob("*") if p.is_file()} - {MANIFEST}
+        if not listed or present != set(listed):
+            return False
+        return all((self.out / n).stat().st_size == f.size and sha256_file(self.out / n) == f.sha256
+                   for n, f in listed.items())
+
+    def _start(self) -> dict[str, dict]:
+        """Resume a partial run with the same settings (keeping files whose content matches the journal), or start
+        afresh. Returns the kept files: name -> {size, sha256}."""
+        j = self._read_journal()
+        if j is not None and j.get("fingerprint") != self.fingerprint:
+            if not self.overwrite:
+                raise UsageError("a partial conversion into OUT with other settings is waiting to be resumed ("
+                                 f"{_differences(j.get('fingerprint'), self.fingerprint)}); re-run it, or pass "
+                                 "--overwrite to discard it", file=str(self.out))
+            j = None
+        if j is None:
+            if self.staging.exists() and any(self.staging.iterdir()) and not self.journal_path.exists():
+                raise UsageError(f"{self.staging} exists and was not left by expq; refusing to delete it",
+                                 file=str(self.out))
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging.mkdir()
+            j = {"fingerprint": self.fingerprint, "phase": "writing", "files": {}}
+            self._write_journal(j)
+            return {}
+        kept = {}
+        self.staging.mkdir(exist_ok=True)
+        for p in list(self.staging.rglob("*")):
+            if not p.is_file():
+                continue
+            rel = p.relative_to(self.staging).as_posix()
+            rec = j["files"].get(rel)
+            if rec and p.stat().st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
+                kept[rel] = rec
+            else:
+                p.unlink()  # unfinished, or changed since: redone
+        self._write_journal(j, files=kept)
+        return kept
+
+    # --- journal ---------------------------------------------------------------------------------------------------
+    def _read_journal(self) -> dict | None:
+        try:
+            j = json.loads(self.journal_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            raise UsageError("the journal of an earlier conversion is unreadable; remove it to start afresh",
+                             file=str(self.journal_path)) from None
+        return j if isinstance(j, dict) and isinstance(j.get("files"), dict) else None
+
+    def _write_journal(self, j: dict, **changes) -> None:
+        j = {**j, **changes, "pid": os.getpid()}
+        tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(j, f)
+            f.flush()
+            _faults.hit("fsync")
+            os.fsync(f.fileno())
+        os.replace(tmp, self.journal_path)
+        self._journal = j
+
+    def record(self, name: str, jobs: dict | None = None) -> None:
+        """A staged file is complete and fsync'd: record its size and sha256 (a re-run keeps it), and the row
+        findings of the jobs finished so far (``jobs``: job index -> dict)."""
+        p = self.staging / name
+        rec = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        with self._journal_lock:
+            j = self._journal
+            merged = {**j.get("jobs", {}), **{str(k): v for k, v in (jobs or {}).items()}}
+            self._write_journal(j, files={**j["files"], name: rec}, jobs=merged)
+
+    @property
+    def done_jobs(self) -> dict[int, dict]:
+        """Row findings of quantize jobs a resumed run finished (from the journal)."""
+        return {int(k): v for k, v in self._journal.get("jobs", {}).items()} if self.kept else {}
+
+    # --- files -----------------------------------------------------------------------------------------------------
     def path(self, name: str) -> Path:
         """The staging path of an output file (its final name, relative to OUT)."""
         p = self.staging / name
@@ -147,65 +332,112 @@ class OutputDir:
         return p
 
     def write_text(self, name: str, text: str) -> None:
-        self.path(name).write_text(text)
+        """Write, fsync and record a small output file."""
+        with open(self.path(name), "w") as f:
+            f.write(text)
+            f.flush()
+            _faults.hit("fsync")
+            os.fsync(f.fileno())
 
     def copy_file(self, src: Path, name: str) -> None:
-        shutil.copyfile(src, self.path(name))
+        """Copy a side file (its bytes, not a link) and fsync it."""
+        dst = self.path(name)
+        shutil.copyfile(src, dst)
+        fsync_path(dst)
 
-    def _staged(self) -> list[str]:
-        return sorted(rel for p in self.staging.rglob("*") if p.is_file()
-                      and (rel := p.relative_to(self.staging).as_posix()) not in (LOCK, OWNER)
-                      and not rel.startswith(OLD + "/"))
+    def staged_files(self) -> list[str]:
+        return sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
 
+    # --- commit ----------------------------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Move every staged file to its final name: shards and side files first, then the index, then config.json
-        (a loader finds nothing usable until the last rename). An overwritten checkpoint is first moved aside into
-        the staging folder, and moved back if anything fails; it is deleted only once the new one is in place."""
-        staged = self._staged()
-        old_dir = self.staging / OLD
-        moved_old: list[str] = []
-        moved_new: list[str] = []
-        try:
-            if self._replace:
-                old_dir.mkdir()
-                for name in self._replace:
-                    _replace(self.out / name, old_dir / name)
-                    moved_old.append(name)
-            last = [n for n in (INDEX_NAME, "config.json") if n in staged]
-            for name in [n for n in staged if n not in last] + last:
-                dst = self.out / name
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                _replace(self.staging / name, dst)
-                moved_new.append(name)
-        except BaseException:
-            for name in reversed(moved_new):  # put the new files back, then the old checkpoint back in place
-                with contextlib.suppress(OSError):
-                    os.replace(self.out / name, self.staging / name)
-            for name in {n.split("/")[0] for n in moved_new}:
-                p = self.out / name
-                if p.is_dir() and not any(p.rglob("*")):
-                    shutil.rmtree(p, ignore_errors=True)
-            for name in moved_old:
-                with contextlib.suppress(OSError):
-                    os.replace(old_dir / name, self.out / name)
-            raise
-        self._release()
+        """Swap the complete, fsync'd staging folder in as OUT with one rename (see the module docstring)."""
+        for d in sorted({(self.staging / n).parent for n in self.staged_files()} | {self.staging}, reverse=True):
+            fsync_path(d)
+        self._write_journal(self._journal, phase="swap")
+        parent = self.out.parent
+        if self.out.is_dir() and any(self.out.iterdir()):
+            if _exchange(self.staging, self.out):
+                self._write_journal(self._journal, phase="swapped")
+                shutil.rmtree(self.staging)  # the old checkpoint, now under the staging name
+            else:
+                _rename(self.out, self.old_path)
+                self._write_journal(self._journal, phase="moved-old")
+                _rename(self.staging, self.out)
+                self._write_journal(self._journal, phase="swapped")
+                shutil.rmtree(self.old_path)
+        else:
+            _rename(self.staging, self.out)  # onto a missing or empty OUT
+        fsync_path(parent)
+        self.journal_path.unlink(missing_ok=True)
+        fsync_path(parent)
+        self.release()
 
-    def abort(self) -> None:
-        """Remove the staging area (and OUT itself if this run created it and it is empty)."""
-        self._release()
-        if self._created:
-            with contextlib.suppress(OSError):
-                self.out.rmdir()
-
-    def _release(self) -> None:
+    def discard(self) -> None:
+        """Remove the staging folder and the journal (nothing to resume)."""
         shutil.rmtree(self.staging, ignore_errors=True)
-        self._flock.release()
+        self.journal_path.unlink(missing_ok=True)
+        self.release()
+
+    def release(self) -> None:
+        """Give up the lock (the staging folder and journal stay for a resume)."""
+        if self._lock_fd is not None:
+            try:
+                self.lock_path.unlink(missing_ok=True)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
 
-def _replace(src: Path, dst: Path) -> None:
-    _faults.hit("rename")
-    os.replace(src, dst)
+def _check_location(out: Path, src_root: Path | None, given) -> None:
+    if src_root is not None:
+        s, o = src_root.resolve(), out.resolve()
+        if o == s or s in o.parents or o in s.parents:
+            raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(given))
+
+
+def _acquire(path: Path, out: Path) -> int:
+    """An exclusive flock on ``path``, re-checked against the path's inode (see the module docstring)."""
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = int(os.pread(fd, 32, 0).decode().strip() or 0)
+            except ValueError:
+                pid = 0
+            os.close(fd)
+            raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(out)) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # the holder deleted it as we opened it: take the new one
+    raise UsageError("cannot take the lock (it keeps changing)", file=str(out))
+
+
+def _manifest_fingerprint(out: Path) -> dict | None:
+    try:
+        return Manifest.load(out).settings if (out / MANIFEST).is_file() else None
+    except ExpqError:
+        return None
+
+
+def _differences(old: dict | None, new: dict) -> str:
+    if not isinstance(old, dict):
+        return "its settings are not recorded"
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    shown = [f"{k}: {_short(old.get(k))} -> {_short(new.get(k))}" for k in keys[:4]]
+    return "; ".join(shown) + (f"; and {len(keys) - 4} more" if len(keys) > 4 else "") if keys else "none"
+
+
+def _short(v) -> str:
+    t = json.dumps(v, sort_keys=True, default=str)
+    return t if len(t) <= 60 else t[:57] + "..."
 
 
 def _bytes_of(data) -> memoryview:
@@ -233,6 +465,15 @@ class ShardSet:
         self._left = [len(m) for m in self._members]
         self._lock = threading.Lock()
         self.closed: list[int] = []
+        self.on_close = dict  # returns the row findings of finished jobs, for the journal (run_plan sets it)
+        self.kept = [k for k, n in enumerate(plan.shard_names) if n in outdir.kept]  # finished by an earlier run
+        for k in self.kept:
+            self._left[k] = 0
+            self.closed.append(k)
+
+    def needed(self, outputs: list[OutTensor]) -> bool:
+        """Whether any of these outputs goes into a shard that is not finished yet."""
+        return any(self._left[o.shard] for o in outputs)
 
     def _open(self, k: int) -> tuple[int, int]:
         header = safetensors_header(self._members[k])
@@ -245,9 +486,12 @@ class ShardSet:
             raise OutputError(f"cannot write: {e.strerror or e}", file=str(path)) from None
         return fd, len(header)
 
-    def target(self, out: OutTensor) -> tuple[int, int]:
-        """(fd, absolute offset) where ``out``'s bytes go; opens the shard if needed."""
+    def target(self, out: OutTensor) -> tuple[int, int] | None:
+        """(fd, absolute offset) where ``out``'s bytes go (opens the shard if needed), or None for a shard an
+        earlier run finished."""
         with self._lock:
+            if out.shard in self.kept:
+                return None
             if out.shard not in self._fds:
                 self._fds[out.shard] = self._open(out.shard)
             fd, base = self._fds[out.shard]
@@ -262,7 +506,10 @@ class ShardSet:
         mv = _bytes_of(data)
         if mv.nbytes != out.nbytes:
             raise RuntimeError(f"internal: {out.name} has {mv.nbytes} bytes, planned {out.nbytes}")
-        fd, pos = self.target(out)
+        t = self.target(out)
+        if t is None:
+            return
+        fd, pos = t
         try:
             _faults.hit("write")
             while mv.nbytes:
@@ -274,24 +521,31 @@ class ShardSet:
         self.done(out)
 
     def done(self, out: OutTensor) -> None:
-        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly)."""
+        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly). The last
+        tensor of a shard closes it: fsync, then the journal records its size and sha256."""
         with self._lock:
+            if out.shard in self.kept:
+                return
             self._left[out.shard] -= 1
-            if self._left[out.shard] == 0:
-                fd, _ = self._fds.pop(out.shard)
-                try:
-                    if self.fsync:
-                        _faults.hit("fsync")
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self.closed.append(out.shard)
+            if self._left[out.shard] != 0:
+                return
+            fd, _ = self._fds.pop(out.shard)
+        try:
+            if self.fsync:
+                _faults.hit("fsync")
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.outdir.record(self.plan.shard_names[out.shard], jobs=self.on_close())
+        with self._lock:
+            self.closed.append(out.shard)
 
     def close_all(self) -> None:
-        """Close every open shard (after an error)."""
+        """Close and remove every shard not finished (after an error or an interrupt): a re-run redoes them."""
         with self._lock:
-            for fd, _ in self._fds.values():
+            for k, (fd, _) in self._fds.items():
                 os.close(fd)
+                (self.outdir.staging / self.plan.shard_names[k]).unlink(missing_ok=True)
             self._fds.clear()
 
     def complete(self) -> bool:

@@ -130,7 +130,7 @@ def test_index_config_and_side_files(family, converted):
         assert (out / f).read_bytes() == (src / f).read_bytes()
     manifest = load_json(out / "expq.json")
     assert manifest["plan"]["matrices_quantized"] == report.matrices_quantized
-    assert not (out / ".expq-partial").exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # no staging, journal or lock beside it
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - TRANSFORMERS_CANNOT_LOAD))
@@ -242,10 +242,11 @@ def test_several_workers_write_the_same_bytes(tmp_path, tmp_path_factory, conver
     from expq.writer import OutputDir, ShardSet
 
     plan = make_plan(open_source(src), max_shard_size=SHARD)
-    outdir = OutputDir(two, src_root=src)
+    outdir = OutputDir(two, fingerprint={"test": "two workers"}, src_root=src)
+    outdir.start()
     shards = ShardSet(plan, outdir)
     stats = run_plan(plan, shards, [torch.device("cpu"), torch.device("cpu")])
     assert shards.complete() and sum(stats.jobs_by_device.values()) == len(plan.jobs)
     for name in plan.shard_names:
         assert (outdir.staging / name).read_bytes() == (out / name).read_bytes(), name
-    outdir.abort()
+    outdir.discard()

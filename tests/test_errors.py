@@ -221,10 +221,10 @@ def test_out_not_empty_and_overwrite(tmp_path, tmp_path_factory):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(UsageError, match="not empty"):
+    with pytest.raises(UsageError, match="not empty and was not written by expq"):
         expq.convert(src, out, device="cpu")
     code, text = run_cli("convert", src, out)
-    assert code == 2 and "--overwrite" in text
+    assert code == 2 and "refusing to delete its contents" in text
     with pytest.raises(UsageError, match="was not written by expq convert"):
         expq.convert(src, out, device="cpu", overwrite=True)  # never deletes what expq did not write
     assert (out / "notes.txt").read_text() == "mine"
@@ -256,16 +256,14 @@ def expq_subprocess(*args, fault: str | None = None, wait: bool = True, timeout:
     return r.returncode, r.stdout + r.stderr
 
 
-def test_overwrite_failure_restores_the_old_checkpoint(tmp_path, tmp_path_factory):
+def test_overwrite_failure_keeps_the_old_checkpoint(tmp_path, tmp_path_factory):
     out = tmp_path / "out"
     expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu", max_shard_size="40KB")
     before = tree_digest(out)
-    n_old = len(list(out.iterdir()))  # the old checkpoint moved aside, then three new files moved in, then EIO
     code, text = expq_subprocess("convert", example(tmp_path_factory, "qwen3_moe"), out, "--device", "cpu",
-                                 "--overwrite", "--max-shard-size", "40KB", fault=f"rename:{n_old + 4}:eio")
+                                 "--overwrite", "--max-shard-size", "40KB", fault="rename:1:eio")  # the swap fails
     assert code == 1 and "Input/output error" in text and "Traceback" not in text, text
     assert tree_digest(out) == before  # the old checkpoint, complete, and nothing of the new one
-    assert not (out / ".expq-partial").exists()
 
 
 def test_second_conversion_into_the_same_out_is_refused(tmp_path, tmp_path_factory):
@@ -273,19 +271,21 @@ def test_second_conversion_into_the_same_out_is_refused(tmp_path, tmp_path_facto
     out = tmp_path / "out"
     first = expq_subprocess("convert", src, out, "--device", "cpu", fault="write:1:stall", wait=False)
     try:
-        owner = out / ".expq-partial" / ".owner"
+        lock = tmp_path / ".out.expq-lock"
         deadline = time.monotonic() + 60
-        while not owner.exists() and time.monotonic() < deadline and first.poll() is None:
+        while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline \
+                and first.poll() is None:
             time.sleep(0.1)
-        assert owner.exists(), first.communicate()[0] if first.poll() is not None else "no lock taken"
+        assert lock.exists(), first.communicate()[0] if first.poll() is not None else "no lock taken"
         with pytest.raises(UsageError, match=rf"another expq convert \(pid {first.pid}\) is writing OUT"):
             expq.convert(src, out, device="cpu")
-        assert owner.exists()  # the other run's work is left alone
+        assert (tmp_path / ".out.expq-partial").is_dir()  # the other run's work is left alone
     finally:
         first.kill()  # a real SIGKILL: the OS drops its lock
         first.wait()
-    expq.convert(src, out, device="cpu")  # the staging folder of the killed run is cleared under the lock
-    assert (out / "config.json").exists() and not (out / ".expq-partial").exists()
+    expq.convert(src, out, device="cpu")  # resumes the killed run's staging under the lock
+    assert (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging, journal or lock left
 
 
 def test_out_overlaps_source(tmp_path, tmp_path_factory):
@@ -323,14 +323,15 @@ def test_disk_full_names_the_file(tmp_path, tmp_path_factory):
     assert_no_output(out)
 
 
-def test_staging_from_a_killed_run_is_not_a_checkpoint(tmp_path, tmp_path_factory):
-    """A run killed hard leaves only the hidden staging folder: no loader sees a model; the next run cleans it."""
+def test_staging_not_left_by_expq_is_never_deleted(tmp_path, tmp_path_factory):
+    """A folder named like expq's staging folder but without expq's journal is the user's: refused, kept."""
     src = example(tmp_path_factory, "mixtral")
     out = tmp_path / "out"
-    (out / ".expq-partial").mkdir(parents=True)
-    (out / ".expq-partial" / "model-00001-of-00002.safetensors").write_bytes(b"partial")
-    expq.convert(src, out, device="cpu")
-    assert not (out / ".expq-partial").exists() and (out / "config.json").exists()
+    (tmp_path / ".out.expq-partial").mkdir()
+    (tmp_path / ".out.expq-partial" / "mine.txt").write_text("mine")
+    with pytest.raises(UsageError, match="was not left by expq; refusing to delete it"):
+        expq.convert(src, out, device="cpu")
+    assert (tmp_path / ".out.expq-partial" / "mine.txt").read_text() == "mine" and not out.exists()
 
 
 def test_usage_errors(tmp_path, tmp_path_factory):
