@@ -21,6 +21,7 @@ from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFo
 from .source import INDEX_NAME, SINGLE_NAME, WEIGHT_FILE
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
+OFFLINE = "HF_HUB_OFFLINE is set"
 
 
 def select_files(repo: str, revision: str, paths: list[str], weight_map: dict[str, str] | None) -> list[str]:
@@ -90,7 +91,7 @@ def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = 
 
     rev = revision or "main"
     if constants.HF_HUB_OFFLINE:
-        return from_cache(repo, rev, "HF_HUB_OFFLINE is set")
+        return from_cache(repo, rev, OFFLINE)
     try:
         info = HfApi(token=token).model_info(repo, revision=rev, token=token)
         paths = [s.rfilename for s in info.siblings or []]
@@ -151,11 +152,11 @@ def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:
                                    if len(cached) > 1 else f"pass --revision {cached[0]}")
     else:
         raise HubOfflineError(f"not in the local cache ({cache}) and {reason}", repo=repo, revision=revision,
-                              hint="run once with network access, or unset HF_HUB_OFFLINE")
+                              hint=_online_hint(reason))
     snap = snapshots / commit
     if not snap.is_dir():
         raise HubOfflineError(f"commit {commit} is not in the local cache ({cache}) and {reason}", repo=repo,
-                              revision=revision, hint="run once with network access")
+                              revision=revision, hint=_online_hint(reason))
     paths = _cached_listing(repo, commit, cache)
     if paths is None:  # no cached file list (an older client): what the snapshot holds, plus what the index names
         paths = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if not p.is_dir()] + ["config.json"]
@@ -167,8 +168,15 @@ def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else ""
         raise IncompleteCacheError(f"missing from the cached snapshot {commit}{more}, and {reason}", repo=repo,
                                    revision=revision, file=missing[0],
-                                   hint="run once with network access to complete the download")
+                                   hint=_online_hint(reason) + " to complete the download")
     return snap, commit
+
+
+def _online_hint(reason: str) -> str:
+    """How to get the files: what to change depends on why the Hub was not used."""
+    if reason == OFFLINE:
+        return "unset HF_HUB_OFFLINE and run once with network access"
+    return "run once with the Hub reachable (check the network and HF_ENDPOINT)"
 
 
 def _cached_listing(repo: str, commit: str, cache: Path) -> list[str] | None:
@@ -216,8 +224,8 @@ def _classify(e: Exception, repo: str, rev: str, token: str | bool | None) -> st
             raise HubAccessError("gated repo, and no token was sent", **where,
                                  hint=f"accept its conditions at {url}, then log in (hf auth login) or pass "
                                       "--token") from None
-        raise HubAccessError("gated repo: your account has not been granted access (403)", **where,
-                             hint=f"accept its conditions at {url} with the account of your token") from None
+        raise HubAccessError("gated repo: the token's account has not been granted access", **where,
+                             hint=f"accept its conditions at {url} with that account, then retry") from None
     if isinstance(e, RepositoryNotFoundError):
         raise HubNotFoundError("repo not found on the Hub (or private: log in or pass a token)", **where) from None
     if isinstance(e, RemoteEntryNotFoundError):
@@ -226,15 +234,15 @@ def _classify(e: Exception, repo: str, rev: str, token: str | bool | None) -> st
     if isinstance(e, DisabledRepoError):
         raise HubAccessError("the repo is disabled on the Hub", **where) from None
     if isinstance(e, OfflineModeIsEnabled):
-        return "HF_HUB_OFFLINE is set"
+        return OFFLINE
     if isinstance(e, HfHubHTTPError) and status is not None:
         said = _scrub(getattr(e, "server_message", None) or "", token, get_token)
         if status == 401:
             raise HubAuthError("the Hub rejected the token (401 invalid credentials)", **where,
                                hint="check --token, HF_TOKEN or hf auth login; the token is not shown") from None
         if status == 403:
-            raise HubAccessError(f"access forbidden (403){': ' + said if said else ''}", **where,
-                                 hint="the token has no read access to this repo") from None
+            raise HubAccessError(f"access forbidden (HTTP 403{': ' + said if said else ''})", **where,
+                                 hint="use a token with read access to this repo") from None
         if status >= 500 or status == 429:
             return f"the Hub answered {status}"
         raise HubError(f"the Hub answered {status}{': ' + said if said else ''}", **where) from None

@@ -145,7 +145,7 @@ def test_404_on_a_listed_file(hub_server, junk_repo, tmp_path):
 
 def test_gated_repo(hub_server, junk_repo, tmp_path, monkeypatch):
     hub_server.gate(REPO)  # the token's user was not granted access: 403 GatedRepo
-    assert_error(both(tmp_path, REPO), 4, "gated repo", "not been granted access", "accept its conditions")
+    assert_error(both(tmp_path, REPO), 4, "gated repo", "not been granted access", "accept its conditions at")
     configure_hf_client(monkeypatch, hub_server.url, tmp_path / "home2", None)  # no token: 401 GatedRepo
     assert_error(both(tmp_path, REPO), 4, "gated repo, and no token was sent", "hf auth login")
     hub_server.gate(REPO, granted=("test-user",))
@@ -156,7 +156,8 @@ def test_gated_repo(hub_server, junk_repo, tmp_path, monkeypatch):
 
 def test_forbidden(hub_server, junk_repo, tmp_path):
     hub_server.deny_read(REPO)
-    assert_error(both(tmp_path, REPO), 4, "access forbidden (403)", "no read access")
+    assert_error(both(tmp_path, REPO), 4, "access forbidden (HTTP 403: Your token does not have read access",
+                 "use a token with read access")
 
 
 def test_bad_token_is_rejected_and_never_printed(hub_server, junk_repo, tmp_path, capfd):
@@ -176,7 +177,19 @@ def test_offline_and_not_cached(hub_server, junk_repo, tmp_path, monkeypatch):
 
 def test_hub_unreachable_and_not_cached(hub_server, junk_repo, tmp_path, monkeypatch):
     configure_hf_client(monkeypatch, "http://127.0.0.1:9", tmp_path / "home2", "hf_test_token")  # nothing listens
-    assert_error(both(tmp_path, REPO), 6, "not in the local cache", "cannot be reached")
+    assert_error(both(tmp_path, REPO), 6, "not in the local cache", "cannot be reached", "HF_ENDPOINT")
+
+
+def test_hub_outage_uses_the_cache(hub_server, junk_repo, tmp_path):
+    _, commit, _ = junk_repo
+    hub_server.inject_fault("info", status=507)  # a status huggingface_hub does not retry
+    assert_error(both(tmp_path, REPO), 6, "not in the local cache", "the Hub answered 507")
+    hub_server.clear_faults()
+    assert run("inspect", REPO)[0] == 0
+    hub_server.inject_fault("info", status=507)
+    code, text = run("inspect", REPO, "--json")
+    assert code == 0, text
+    assert json.loads(text)["commit"] == commit
 
 
 @pytest.mark.parametrize("tree_cached", [True, False], ids=["file-list-cached", "no-file-list"])
