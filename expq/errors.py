@@ -77,3 +77,55 @@ class Interrupted(ExpqError):
         self.exit_code = 128 + self.signum
         name = signal.Signals(self.signum).name
         super().__init__(message or f"interrupted by {name}", **where)
+
+
+class HubError(SourceError):
+    """A Hub repo id could not be turned into a local snapshot. ``repo`` and ``revision`` say which; ``file`` is the
+    path inside the repo (or the cache) where one file is the problem. The line starts ``repo ID (revision REV)``
+    and never holds a token."""
+
+    def __init__(self, message: str, *, repo: str, revision: str | None = None, file: str | None = None,
+                 hint: str | None = None):
+        self.repo = repo
+        self.revision = revision
+        super().__init__(message, file=file, hint=hint)
+
+    def _line(self) -> str:
+        where = f"repo {self.repo}" + (f" (revision {self.revision})" if self.revision else "")
+        if self.file is not None:
+            where += f", file {self.file}"
+        line = f"{where}: {self.message}" + (f" ({self.hint})" if self.hint else "")
+        return line.replace("\n", " ")
+
+
+class HubNotFoundError(HubError):
+    """The repo, the revision, or a file the checkpoint needs does not exist on the Hub (exit status 3)."""
+
+    exit_code = 3
+
+
+class HubAccessError(HubError):
+    """The Hub refused access: a gated repo whose conditions are not accepted, or a token without read permission
+    (HTTP 403; exit status 4)."""
+
+    exit_code = 4
+
+
+class HubAuthError(HubError):
+    """The Hub rejected the token itself (HTTP 401 invalid credentials; exit status 5)."""
+
+    exit_code = 5
+
+
+class HubOfflineError(HubError):
+    """The Hub cannot be used (``HF_HUB_OFFLINE``, no network, or a Hub outage) and the revision is not in the
+    local cache (exit status 6)."""
+
+    exit_code = 6
+
+
+class IncompleteCacheError(HubOfflineError):
+    """Offline, the local cache holds the repo but not all of it: a needed file is missing, or a branch name cannot
+    be resolved because its ``refs/`` entry is missing (exit status 7)."""
+
+    exit_code = 7

@@ -40,8 +40,6 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 # Files that hold weights in other formats (or weights the index does not reference): never copied to OUT.
 WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx|tflite|ot|npz)$|(^|/)original/")
-DOWNLOAD_IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.onnx", "*.tflite", "*.ot",
-                   "original/*", "consolidated*", "*.npz"]
 
 
 @dataclass(frozen=True)
@@ -292,12 +290,14 @@ def _side_files(root: Path, weight_files: set[str]) -> tuple[list[str], list[str
 def resolve_source(src: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Source:
     """Open ``src``: an existing local directory, else a Hub repo id fetched with ``huggingface_hub``.
 
-    The Hub download uses ``snapshot_download`` (the user's cache and token, ``HF_ENDPOINT``, ``HF_HUB_OFFLINE``
-    honoured) and skips weight files in other formats (``.bin``, ``.pt``, ``original/``, ``consolidated*``).
+    A Hub repo is fetched by ``hubsource.fetch``: the user's cache and token, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE``
+    are honoured, and only the files a conversion needs are downloaded (the shards its index names, the index, and
+    the root-level side files: no ``onnx/``, ``metal/``, ``original/``, no unindexed or other-format weights).
 
     Raises:
-        SourceError: the directory is not a checkpoint, or the repo/revision cannot be found, is gated or
-            unreachable (offline with nothing cached).
+        SourceError: the directory is not a checkpoint, or ``src`` is neither a directory nor a repo id.
+        HubNotFoundError (exit 3), HubAccessError (4), HubAuthError (5), HubOfflineError (6), IncompleteCacheError
+            (7): see ``hubsource.fetch``; all are ``SourceError`` subclasses.
     """
     p = Path(src).expanduser()
     if p.exists():
@@ -307,24 +307,9 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     s = str(src)
     if not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s) or s.startswith((".", "/")):
         raise SourceError("no such directory, and not a Hub repo id", file=s)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-    try:
-        local = snapshot_download(repo_id=s, revision=revision, token=token, ignore_patterns=DOWNLOAD_IGNORE)
-    except GatedRepoError:
-        raise SourceError("gated repo: accept its terms on the Hub and log in (hf auth login) or pass a token",
-                          file=s) from None
-    except RevisionNotFoundError:
-        raise SourceError(f"revision {revision!r} not found", file=s) from None
-    except RepositoryNotFoundError:
-        raise SourceError("repo not found on the Hub (or private: log in or pass a token)", file=s) from None
-    except LocalEntryNotFoundError:
-        raise SourceError("not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE set, or no network)",
-                          file=s) from None
-    except OSError as e:
-        raise SourceError(f"download failed: {e}", file=s) from None
-    commit = Path(local).name if re.fullmatch(r"[0-9a-f]{40}", Path(local).name) else None
+    from .hubsource import fetch
+
+    local, commit = fetch(s, revision=revision, token=token)
     return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
 
 

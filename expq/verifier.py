@@ -26,7 +26,7 @@ import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts
 from .devices import parse_devices
-from .errors import ExpqError, UnreadableInputError, UsageError
+from .errors import ExpqError, HubError, UnreadableInputError, UsageError
 from .kernels import select_backend
 from .source import INDEX_NAME
 
@@ -173,7 +173,7 @@ def _open(out, source, revision) -> tuple[ConvertedCheckpoint, object]:
         src = resolve_source(source, revision=revision)
         dtype = ck.manifest.options.dtype if ck.manifest is not None else "auto"
         return ck, make_plan(src, layout=ck.layout, dtype=dtype, format=ck.format.name)
-    except UsageError:
+    except (UsageError, HubError):  # Hub errors keep their own exit codes
         raise
     except ExpqError as e:
         raise UnreadableInputError.from_error(e) from None

@@ -13,6 +13,11 @@ Fault injection (for retry / resume tests): ``inject_fault(kind, after=N)`` make
 after N of them went through, with an HTTP status (default 500) or by dropping the connection. ``stats`` counts
 requests per endpoint and ``uploaded_oids`` lists the LFS objects whose upload completed, so that a test can
 check that a resumed push did not upload finished files again.
+
+Read failures, as the Hub answers them: ``gate(repo_id)`` makes file downloads answer 401 (anonymous) or 403
+(a user not granted access) with ``X-Error-Code: GatedRepo``; ``deny_read(repo_id)`` makes every read of the repo
+answer 403 without an error code (a token without read permission); ``hide_file(repo_id, path)`` makes a file that
+the tree lists answer 404 ``EntryNotFound`` when downloaded; ``reject_tokens`` answers 401 invalid credentials.
 """
 
 from __future__ import annotations
@@ -163,6 +168,9 @@ class HubServer:
         self.tree_page_size, self.init_gitattributes = tree_page_size, init_gitattributes
         self.reject_tokens = False  # True: every request carrying a token gets 401 (invalid credentials)
         self.denied_writes: set[str] = set()  # repo ids or namespaces answering 403 to writes
+        self.denied_reads: set[str] = set()  # repo ids answering 403 to every read
+        self.gated: dict[str, set[str]] = {}  # gated repo id -> users granted access
+        self.hidden_files: set[tuple[str, str]] = set()  # (repo id, path): listed, but downloads answer 404
         self.repos: dict[tuple[str, str], Repo] = {}
         self.faults: list[Fault] = []
         self.stats: Counter[str] = Counter()  # requests received, per endpoint name
@@ -234,6 +242,27 @@ class HubServer:
     def deny_write(self, *targets: str) -> None:
         """Answer 403 to writes on these repo ids or whole namespaces (and to create_repo in a namespace)."""
         self.denied_writes.update(targets)
+
+    def deny_read(self, *repo_ids: str) -> None:
+        """Answer 403 (no error code, like a token without read permission) to every read of these repos."""
+        self.denied_reads.update(repo_ids)
+
+    def gate(self, repo_id: str, granted: tuple[str, ...] = ()) -> None:
+        """Make a repo gated: its info and file list stay public, file downloads answer 401 GatedRepo without a
+        token and 403 GatedRepo for a user not in ``granted`` (as the Hub does)."""
+        self.gated[repo_id] = set(granted)
+
+    def hide_file(self, repo_id: str, path: str) -> None:
+        """Keep ``path`` in the repo's listings but answer 404 EntryNotFound when it is downloaded."""
+        self.hidden_files.add((repo_id, path))
+
+    def downloaded(self, repo_id: str) -> list[str]:
+        """Paths of ``repo_id`` whose content was sent (GET on resolve answered 200/206), in order."""
+        prefix = f"/{repo_id}/resolve/"
+        with self._lock:
+            reqs = list(self.requests)
+        return [unquote(p[len(prefix):]).split("/", 1)[1] for m, p, _, st in reqs
+                if m == "GET" and p.startswith(prefix) and st in (200, 206)]
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -453,6 +482,8 @@ class HubServer:
     def _can_read(self, user: str | None, repo: Repo) -> Repo:
         if repo.private and user is None:
             raise HubError(401, "Repository not found", "RepoNotFound")
+        if repo.id in self.denied_reads:
+            raise HubError(403, f"Your token does not have read access to {repo.id}")
         return repo
 
     def _check_write(self, user: str | None, repo_id: str) -> None:
@@ -613,7 +644,8 @@ class HubServer:
             siblings.append(s)
         data = {"_id": hashlib.md5(f"{rtype}/{repo_id}".encode()).hexdigest()[:24], "id": repo_id,
                 "author": repo_id.split("/")[0], "sha": commit.oid, "lastModified": commit.date,
-                "createdAt": repo.created, "private": repo.private, "disabled": False, "gated": False,
+                "createdAt": repo.created, "private": repo.private, "disabled": False,
+                "gated": "manual" if repo.id in self.gated else False,
                 "downloads": 0, "likes": 0, "tags": [], "siblings": siblings, "xetEnabled": False,
                 "usedStorage": sum(e.size for e in commit.tree.values())}
         if rtype == "space":
@@ -869,9 +901,16 @@ class HubServer:
                        "authors": [{"user": self.user}]} for c in self.history(repo_id, rev, rtype)])
 
     def _resolve_file(self, h, rtype, repo_id, rev, path) -> _Resp:
-        repo = self._can_read(self._user(h), self._repo(rtype, repo_id))
+        user = self._user(h)
+        repo = self._can_read(user, self._repo(rtype, repo_id))
         commit = self._resolve(repo, rev)
-        entry = commit.tree.get(path)
+        if repo_id in self.gated and user not in self.gated[repo_id]:
+            if user is None:
+                raise HubError(401, f"Access to model {repo_id} is restricted. You must have access to it and be "
+                                    "authenticated to access it. Please log in.", "GatedRepo")
+            raise HubError(403, f"Access to model {repo_id} is restricted and you are not in the authorized list. "
+                                f"Visit {self._web(repo)} to ask for access.", "GatedRepo")
+        entry = None if (repo_id, path) in self.hidden_files else commit.tree.get(path)
         if entry is None:
             raise HubError(404, "Entry not found", "EntryNotFound", {"X-Repo-Commit": commit.oid})
         etag = entry.sha256 if entry.lfs else entry.blob_id

@@ -94,7 +94,7 @@ def test_convert_repo_errors(hub_server, hub_src, tmp_path):
     with pytest.raises(SourceError, match="revision 'nope' not found"):
         expq.convert("org/tiny-mixtral", tmp_path / "x", revision="nope", device="cpu")
     code, text = run("convert", "org/no-such-model", tmp_path / "x")
-    assert code == 1 and "org/no-such-model" in text and "Traceback" not in text
+    assert code == 3 and "org/no-such-model" in text and "Traceback" not in text
     assert not (tmp_path / "x").exists()
 
 

@@ -1,0 +1,270 @@
+"""Turning a Hub repo id into a local snapshot: which files to fetch, fetching them with ``huggingface_hub``, and
+errors that say what really went wrong.
+
+Steps (``fetch``): list the revision's files (``repo_info``) → read the safetensors index (``hf_hub_download``) →
+choose the files (``select_files``: the shards the index names, the index, and the side files at the repo root) →
+``snapshot_download(allow_patterns=...)`` of exactly those. Offline (``HF_HUB_OFFLINE``, no network, a Hub outage)
+the same choice is made from the local cache (``from_cache``), and a missing file or ``refs/`` entry is named.
+
+Hub snapshots are symlinks into the cache's ``blobs/``; the returned directory is used as it is.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from pathlib import Path
+
+from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
+                     IncompleteCacheError)
+from .source import INDEX_NAME, SINGLE_NAME, WEIGHT_FILE
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+OFFLINE = "HF_HUB_OFFLINE is set"
+
+
+def select_files(repo: str, revision: str, paths: list[str], weight_map: dict[str, str] | None) -> list[str]:
+    """The files of a Hub checkpoint that expq needs, sorted.
+
+    Args:
+        repo, revision: for error messages.
+        paths: every file of the revision (repo-relative, ``/``-separated).
+        weight_map: the index's ``weight_map`` (None when there is no index, or it is unreadable: then only the
+            index itself is chosen and ``open_source`` reports what is wrong with it).
+
+    Returns:
+        the shards the index names (or the single ``model.safetensors``, or the one root ``*.safetensors``), the
+        index, and every other root-level file that is not a weight file and not hidden (config, tokenizer,
+        generation config, chat template, licence, README, remote code ``*.py``). Never a subfolder file the index
+        does not name (``onnx/``, ``metal/``, ``original/``), nor an unindexed weight file.
+
+    Raises:
+        HubError: no ``*.safetensors`` weights, or several at the root without an index (exit status 1).
+    """
+    root = [p for p in paths if "/" not in p and not p.startswith(".")]
+    side = [p for p in root if not WEIGHT_FILE.search(p) and p != INDEX_NAME]
+    if INDEX_NAME in paths:
+        weights = sorted(set(weight_map.values())) if weight_map is not None else []
+        return sorted(set(side) | set(weights) | {INDEX_NAME})
+    if SINGLE_NAME in paths:
+        return sorted(set(side) | {SINGLE_NAME})
+    found = sorted(p for p in root if p.endswith(".safetensors"))
+    if len(found) == 1:
+        return sorted(set(side) | set(found))
+    if found:
+        raise HubError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the model's "
+                       "weights", repo=repo, revision=revision)
+    others = sorted(p for p in paths if WEIGHT_FILE.search(p))
+    extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
+    raise HubError(f"no safetensors weights{extra}", repo=repo, revision=revision)
+
+
+def read_weight_map(index: Path | None) -> dict[str, str] | None:
+    """The ``weight_map`` of an index file, or None when there is none or it is not a str -> str mapping."""
+    if index is None or not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return None
+    return weight_map
+
+
+def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = None) -> tuple[Path, str]:
+    """Download (or find in the cache) the files expq needs from a Hub repo; the user's cache, token,
+    ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are honoured.
+
+    Returns:
+        (the snapshot directory, its commit sha).
+
+    Raises:
+        HubNotFoundError (3): the repo, the revision or a file the index names does not exist.
+        HubAccessError (4): gated repo not granted, or 403 forbidden. HubAuthError (5): the token was rejected (401).
+        HubOfflineError (6): the Hub cannot be used and the revision is not cached.
+        IncompleteCacheError (7): offline, and the cache lacks a needed file or the ``refs/`` entry of a branch.
+        HubError (1): no config.json or no usable safetensors weights in the repo, or another Hub failure.
+    """
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+
+    rev = revision or "main"
+    if constants.HF_HUB_OFFLINE:
+        return from_cache(repo, rev, OFFLINE)
+    try:
+        info = HfApi(token=token).model_info(repo, revision=rev, token=token)
+        paths = [s.rfilename for s in info.siblings or []]
+        if "config.json" not in paths:
+            raise HubError("no config.json at the repo root: not a Hugging Face checkpoint", repo=repo, revision=rev)
+        index = None
+        if INDEX_NAME in paths:
+            index = Path(hf_hub_download(repo, INDEX_NAME, revision=info.sha, token=token))
+        files = select_files(repo, rev, paths, read_weight_map(index))
+        absent = sorted(set(files) - set(paths))
+        if absent:
+            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+            raise HubNotFoundError(f"{INDEX_NAME} names this file but commit {info.sha} does not have it{more}",
+                                   repo=repo, revision=rev, file=absent[0])
+        local = Path(snapshot_download(repo, revision=rev, token=token,
+                                       allow_patterns=[glob.escape(f) for f in files]))
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every Hub failure is classified; the rest is re-raised
+        reason = _classify(e, repo, rev, token)
+        return from_cache(repo, rev, reason)
+    if local.name != info.sha:
+        raise HubError(f"{rev} moved from {info.sha} to {local.name} during the download", repo=repo, revision=rev,
+                       hint=f"run again, or pin --revision {local.name}")
+    return local, info.sha
+
+
+def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:
+    """The cached snapshot of ``repo`` at ``revision``, without any network call, checked to hold every file expq
+    needs (the ones ``select_files`` chooses from the cached file list, or from what the snapshot holds).
+
+    Args:
+        reason: why the Hub is not used (for the message), e.g. "HF_HUB_OFFLINE is set".
+
+    Returns:
+        (the snapshot directory, its commit sha).
+
+    Raises:
+        HubOfflineError: nothing of the repo (or of that commit) is cached.
+        IncompleteCacheError: a branch or tag without its ``refs/`` entry (the message suggests ``--revision <sha>``),
+            or a needed file missing from the snapshot (named).
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    cache = Path(constants.HF_HUB_CACHE).expanduser()
+    storage = cache / repo_folder_name(repo_id=repo, repo_type="model")
+    snapshots = storage / "snapshots"
+    cached = sorted(p.name for p in snapshots.iterdir()) if snapshots.is_dir() else []
+    if COMMIT.fullmatch(revision):
+        commit = revision
+    elif (storage / "refs" / revision).is_file():
+        commit = (storage / "refs" / revision).read_text().strip()
+    elif cached:
+        raise IncompleteCacheError(f"not resolvable offline ({reason}): the cache has no refs/{revision} saying "
+                                   f"which commit {revision} is", repo=repo, revision=revision,
+                                   hint=f"cached commits: {', '.join(cached[:3])}; pass --revision {cached[-1]}"
+                                   if len(cached) > 1 else f"pass --revision {cached[0]}")
+    else:
+        raise HubOfflineError(f"not in the local cache ({cache}) and {reason}", repo=repo, revision=revision,
+                              hint=_online_hint(reason))
+    snap = snapshots / commit
+    if not snap.is_dir():
+        raise HubOfflineError(f"commit {commit} is not in the local cache ({cache}) and {reason}", repo=repo,
+                              revision=revision, hint=_online_hint(reason))
+    paths = _cached_listing(repo, commit, cache)
+    if paths is None:  # no cached file list (an older client): what the snapshot holds, plus what the index names
+        paths = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if not p.is_dir()] + ["config.json"]
+    files = select_files(repo, revision, paths, read_weight_map(snap / INDEX_NAME))
+    if INDEX_NAME in files and not (snap / INDEX_NAME).is_file():
+        files = [INDEX_NAME]  # what else is missing cannot be known without the index
+    missing = [f for f in files if not (snap / f).exists()]  # exists(): a link into blobs/ must resolve
+    if missing:
+        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else ""
+        raise IncompleteCacheError(f"missing from the cached snapshot {commit}{more}, and {reason}", repo=repo,
+                                   revision=revision, file=missing[0],
+                                   hint=_online_hint(reason) + " to complete the download")
+    return snap, commit
+
+
+def _online_hint(reason: str) -> str:
+    """How to get the files: what to change depends on why the Hub was not used."""
+    if reason == OFFLINE:
+        return "unset HF_HUB_OFFLINE and run once with network access"
+    return "run once with the Hub reachable (check the network and HF_ENDPOINT)"
+
+
+def _cached_listing(repo: str, commit: str, cache: Path) -> list[str] | None:
+    """The file list ``snapshot_download`` cached for a commit (huggingface_hub >= 2.3), or None."""
+    try:
+        from huggingface_hub import get_cached_repo_tree
+    except ImportError:
+        return None
+    try:
+        return [f.path for f in get_cached_repo_tree(repo, revision=commit, cache_dir=cache)]
+    except Exception:  # noqa: BLE001 - no listing cached (CachedRepoTreeNotFoundError) or an unreadable one
+        return None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Exception classes meaning "the Hub could not be reached" in the HTTP clients huggingface_hub uses."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    found: list[type[BaseException]] = [OfflineModeIsEnabled, ConnectionError, TimeoutError]
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            mod = __import__(module)
+        except ImportError:
+            continue
+        found += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return tuple(found)
+
+
+def _classify(e: Exception, repo: str, rev: str, token: str | bool | None) -> str:
+    """Raise the ``HubError`` a Hub failure means, or return why the cache should be tried instead (offline, no
+    network, a Hub outage). Errors not from the Hub are re-raised as they are."""
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import (DisabledRepoError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    where = {"repo": repo, "revision": rev}
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, RevisionNotFoundError):
+        raise HubNotFoundError(f"revision {rev!r} not found on the Hub", **where) from None
+    if isinstance(e, GatedRepoError):
+        url = f"{constants.ENDPOINT}/{repo}"
+        if status == 401:
+            raise HubAccessError("gated repo, and no token was sent", **where,
+                                 hint=f"accept its conditions at {url}, then log in (hf auth login) or pass "
+                                      "--token") from None
+        raise HubAccessError("gated repo: the token's account has not been granted access", **where,
+                             hint=f"accept its conditions at {url} with that account, then retry") from None
+    if isinstance(e, RepositoryNotFoundError):
+        raise HubNotFoundError("repo not found on the Hub (or private: log in or pass a token)", **where) from None
+    if isinstance(e, RemoteEntryNotFoundError):
+        raise HubNotFoundError("the repo lists this file but the Hub answers 404 for it", **where,
+                               file=_url_path(e)) from None
+    if isinstance(e, DisabledRepoError):
+        raise HubAccessError("the repo is disabled on the Hub", **where) from None
+    if isinstance(e, OfflineModeIsEnabled):
+        return OFFLINE
+    if isinstance(e, HfHubHTTPError) and status is not None:
+        said = _scrub(getattr(e, "server_message", None) or "", token, get_token)
+        if status == 401:
+            raise HubAuthError("the Hub rejected the token (401 invalid credentials)", **where,
+                               hint="check --token, HF_TOKEN or hf auth login; the token is not shown") from None
+        if status == 403:
+            raise HubAccessError(f"access forbidden (HTTP 403{': ' + said if said else ''})", **where,
+                                 hint="use a token with read access to this repo") from None
+        if status >= 500 or status == 429:
+            return f"the Hub answered {status}"
+        raise HubError(f"the Hub answered {status}{': ' + said if said else ''}", **where) from None
+    if isinstance(e, _transport_errors()) or isinstance(e, LocalEntryNotFoundError):
+        return f"the Hub at {constants.ENDPOINT} cannot be reached ({type(e).__name__})"
+    raise e
+
+
+def _url_path(e: Exception) -> str | None:
+    """The repo path of the file a failed ``/resolve/`` request asked for."""
+    from urllib.parse import unquote
+
+    url = str(getattr(getattr(e, "response", None), "url", "") or "")
+    if "/resolve/" not in url:
+        return None
+    tail = unquote(url.split("/resolve/", 1)[1].split("?", 1)[0])
+    return tail.split("/", 1)[1] if "/" in tail else None
+
+
+def _scrub(text: str, token: str | bool | None, get_token) -> str:
+    """``text`` on one line, without any token it might echo."""
+    for t in (token if isinstance(token, str) else None, get_token()):
+        if t:
+            text = text.replace(t, "***")
+    return " ".join(text.split())
