@@ -215,6 +215,7 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     shard_limit = parse_size(max_shard_size)
     fmt = get_format(format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
+    _check_lm_head(source)
     jobs = _build_jobs(source, experts, fmt)
     _check_unique_names(jobs)
     shard_names, shard_sizes = _assign_shards(jobs, shard_limit)
@@ -254,6 +255,16 @@ def _check_expert_dtypes(source: Source, experts: ExpertMap) -> None:
         t = source.logical[name]
         if t.dtype not in FLOAT_DTYPES:
             raise SourceError(f"routed-expert weight is {t.dtype}, not bf16/fp16/fp32", file=t.file, tensor=name)
+
+
+def _check_lm_head(source: Source) -> None:
+    """A config that says the embeddings are not tied needs an ``lm_head`` (else a loader fills it randomly)."""
+    from .layouts import config_lookup
+
+    tied, where = config_lookup(source.config, ("tie_word_embeddings",))
+    if tied is False and not any(n.startswith("lm_head.") or ".lm_head." in n for n in source.logical):
+        raise SourceError(f"{where} is false but the checkpoint has no lm_head weight: a loader would initialise "
+                          "it randomly", file="config.json")
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -206,9 +206,10 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     tlog.set_verbosity_error()  # the packed tensors are "unexpected" and the dense experts "missing": by design
     try:
         with _patched(base, int8_cls):
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, **kw)
+            model, info = AutoModelForCausalLM.from_pretrained(path, config=config, output_loading_info=True, **kw)
     finally:
         tlog.set_verbosity(prev)
+    _refuse_missing(model, info, int8_cls, path)
     for L, mod in _experts_modules(model, ck).items():
         if not isinstance(mod, int8_cls):
             raise ExpqError(f"layer {L}: transformers built {type(mod).__name__}, not the int8 experts",
@@ -297,6 +298,17 @@ def _prompt_ids(prompt: str, tok, vocab: int) -> torch.Tensor:
     if ids.shape[1] == 0:
         raise UsageError("the prompt encodes to no tokens")
     return ids
+
+
+def _refuse_missing(model, info: dict, int8_cls: type, path) -> None:
+    """A tensor the model needs and the checkpoint lacks is an error, never a random initialisation (the routed
+    experts' dense placeholders are the only parameters expected to be missing)."""
+    experts = [n for n, m in model.named_modules() if isinstance(m, int8_cls)]
+    missing = [k for k in info.get("missing_keys", [])
+               if not any(k == e or k.startswith(e + ".") for e in experts)]
+    if missing:
+        raise ExpqError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {sorted(missing)[0]}; "
+                        "refusing to fill them with random values", file=str(path), tensor=sorted(missing)[0])
 
 
 def experts_nbytes(model) -> dict[str, int]:

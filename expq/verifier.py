@@ -180,8 +180,40 @@ def _open(out, source, revision) -> tuple[ConvertedCheckpoint, object]:
 
 
 def _structure_checks(ck: ConvertedCheckpoint, problems: list[str]) -> list[Check]:
-    return [_check_index(ck, problems), _check_files_load(ck, problems), _check_quantization_config(ck, problems),
-            _check_modules_present(ck, problems)]
+    return [_check_files_recorded(ck, problems), _check_index(ck, problems), _check_files_load(ck, problems),
+            _check_quantization_config(ck, problems), _check_modules_present(ck, problems)]
+
+
+# Files a push rewrites in OUT (the model card): listed, but their bytes are not the checkpoint's.
+UNCHECKED_FILES = ("README.md",)
+
+
+def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    """Every file expq.json lists has its recorded size and sha256, none is missing, and OUT holds no other file
+    (so any changed, missing or extra byte shows without the source)."""
+    from .writer import sha256_file
+
+    name = "files match expq.json (size, sha256)"
+    if ck.manifest is None or not ck.manifest.files:
+        return Check(name, True, "not recorded (a checkpoint without expq.json, or from an older expq)")
+    bad = []
+    listed = {f.name: f for f in ck.manifest.files}
+    present = {p.relative_to(ck.root).as_posix() for p in ck.root.rglob("*") if p.is_file()} - {"expq.json"}
+    for n in sorted(present - set(listed)):
+        bad.append(f"file {n}: in OUT but not in expq.json (not written by expq convert)")
+    for n, f in sorted(listed.items()):
+        p = ck.root / n
+        if not p.is_file():
+            bad.append(f"file {n}: listed in expq.json but missing")
+        elif n in UNCHECKED_FILES:
+            continue
+        elif p.stat().st_size != f.size:
+            bad.append(f"file {n}: {p.stat().st_size} bytes, expq.json says {f.size}")
+        elif sha256_file(p) != f.sha256:
+            bad.append(f"file {n}: content changed since expq convert wrote it (sha256 differs from expq.json)")
+    for b in bad:
+        _fail(problems, b)
+    return Check(name, not bad, bad[0] if bad else f"{len(listed)} files")
 
 
 def _layer_checks(ck: ConvertedCheckpoint, plan, problems: list[str], dev: torch.device, tokens: int,
