@@ -3,6 +3,12 @@ not expose.
 
 Exit status: 0 success; 1 a failed check or a conversion error (one line naming file/tensor/expert/row); 2 usage
 errors and unreadable input. Set ``EXPQ_DEBUG=1`` to see tracebacks.
+
+Output: user text (paths, tensor names, prompts, generated text, error messages) is always printed literally, never
+as rich markup. On a terminal, rich tables and bars; when stdout or stderr is not a terminal, plain lines that are
+never wrapped or truncated (tables become a title line and tab-separated rows), and progress on stderr as plain
+lines every ``EXPQ_PROGRESS_INTERVAL`` seconds (see ``expq.progress``). ``--json`` output and ``expq run``'s
+generated text never go through rich when piped.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterable, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -21,11 +27,43 @@ from rich.table import Table
 from rich.text import Text
 
 from .errors import ExpqError, UsageError
+from .progress import ProgressLines, interactive, is_tty, quiet_hub_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
+
+Cell = str | Text
+
+
+def _say(text: Cell, *, stderr: bool = False, style: str | None = None) -> None:
+    """Print one line of user text literally: a rich ``Text`` (no markup, never wrapped) on a terminal, a plain
+    ``print`` when the stream is redirected."""
+    stream = sys.stderr if stderr else sys.stdout
+    if is_tty(stream):
+        t = text if isinstance(text, Text) else Text(text, style=style or "")
+        (err if stderr else out).print(t, soft_wrap=True)
+    else:
+        print(text.plain if isinstance(text, Text) else text, file=stream, flush=True)
+
+
+def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
+           no_wrap: Sequence[str] = (), **table_kw) -> None:
+    """Print a table on stdout. On a terminal a rich ``Table`` whose every cell is a literal ``Text``; otherwise
+    the title on its own line, then the header (if ``columns``) and each row as tab-separated cells, in full."""
+    rows = list(rows)
+    if not is_tty(sys.stdout):
+        lines = ([title] if title else []) + (["\t".join(columns)] if columns else [])
+        lines += ["\t".join(c.plain if isinstance(c, Text) else str(c) for c in r) for r in rows]
+        print("\n".join(lines), flush=True)
+        return
+    t = Table(show_header=bool(columns), title=Text(title) if title else None, title_justify="left", **table_kw)
+    for col in columns or [""] * (len(rows[0]) if rows else 0):
+        t.add_column(col, no_wrap=col in no_wrap, min_width=len(col) if col in no_wrap else None)
+    for r in rows:
+        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in r))
+    out.print(t)
 
 
 @contextlib.contextmanager
@@ -49,7 +87,7 @@ def errors_to_exit_codes():
         else:
             msg = str(e).splitlines()[0] if str(e) else ""
             line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
-        err.print(Text(line, style="bold red"), soft_wrap=True)
+        _say(Text(line, style="bold red"), stderr=True)
         raise typer.Exit(code) from None
 
 
@@ -80,6 +118,7 @@ def convert(
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
     from .api import convert as api_convert
 
+    quiet_hub_bars()
     bar = _ConvertProgress(enabled=not as_json)
     with errors_to_exit_codes(), bar:
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
@@ -89,7 +128,6 @@ def convert(
     if as_json:
         print(json.dumps(report.to_dict()))
         return
-    t = Table(title=Text(f"expq convert -> {report.out}"), show_header=False, title_justify="left")
     rows = [
         ("architecture", f"{report.architecture} ({report.layout} layout)"),
         ("MoE layers / dense", f"{len(report.moe_layers)} / {len(report.dense_layers)} of {report.layers}"),
@@ -105,49 +143,59 @@ def convert(
     ]
     if report.nonfinite_rows:
         rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
-    for k, v in rows:
-        t.add_row(k, Text(v))
-    out.print(t)
+    _table(f"expq convert -> {report.out}", None, rows)
     for ex in report.underflow_examples[:5]:
-        err.print(Text(f"  underflow: {ex}"))
+        _say(f"  underflow: {ex}", stderr=True)
 
 
 class _ConvertProgress:
-    """The convert progress bar on stderr (rich), fed by ``convert``'s ``on_plan`` / ``on_progress`` callbacks."""
+    """Convert's progress on stderr, fed by ``convert``'s ``on_plan`` / ``on_progress`` callbacks: a one-line
+    description of the plan, then a rich bar on an interactive terminal, or plain lines every
+    ``EXPQ_PROGRESS_INTERVAL`` seconds and one at the end when stderr is redirected or ``CI`` is set."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.progress = None
         self.task = None
+        self.lines: ProgressLines | None = None
         self.shards = 0
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.progress is not None:
             self.progress.stop()
+        if self.lines is not None and exc_type is None:
+            self.lines.finish()
 
     def on_plan(self, plan) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
+        """Describe the plan and start the bar (or the plain lines)."""
         if not self.enabled:
             return
         em = plan.experts
-        err.print(Text(f"{plan.source.id}: {plan.architecture or plan.model_type} ({plan.layout.name} layout), "
-                       f"{len(em.moe_layers)} MoE layers x {em.num_experts} experts, compute dtype "
-                       f"{str(plan.compute_dtype).removeprefix('torch.')}"))
-        self.progress = Progress(TextColumn("converting", style="bold blue"), BarColumn(), DownloadColumn(),
-                                 TextColumn("{task.fields[shards]}"), TransferSpeedColumn(), TimeRemainingColumn(),
-                                 console=err, transient=False)
-        self.progress.start()
+        _say(f"{plan.source.id}: {plan.architecture or plan.model_type} ({plan.layout.name} layout), "
+             f"{len(em.moe_layers)} MoE layers x {em.num_experts} experts, compute dtype "
+             f"{str(plan.compute_dtype).removeprefix('torch.')}", stderr=True)
         self.shards = len(plan.shard_names)
+        if not interactive():
+            self.lines = ProgressLines(plan.bytes_in, self.shards)
+            return
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.progress = Progress(TextColumn("converting", style="bold blue"), BarColumn(), DownloadColumn(),
+                                 TextColumn("{task.fields[shards]}", markup=False), TransferSpeedColumn(),
+                                 TimeRemainingColumn(), console=err, transient=False)
+        self.progress.start()
         self.task = self.progress.add_task("convert", total=plan.bytes_in, shards=f"0/{self.shards} shards")
 
     def on_progress(self, nbytes: int, shards_done: int) -> None:
+        """One source tensor done (called from worker threads)."""
         if self.progress is not None:
             self.progress.update(self.task, advance=nbytes, shards=f"{shards_done}/{self.shards} shards")
+        elif self.lines is not None:
+            self.lines.advance(nbytes, shards_done)
 
 
 @app.command()
@@ -164,6 +212,7 @@ def inspect(
     """Show what convert would do, without writing anything."""
     from .api import inspect as api_inspect
 
+    quiet_hub_bars()
     with errors_to_exit_codes():
         plan = api_inspect(src, revision=revision, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
                            token=token)
@@ -173,7 +222,6 @@ def inspect(
     if as_json:
         print(json.dumps(s))
         return
-    t = Table(title=Text(f"expq inspect {s['source']}"), show_header=False, title_justify="left")
     rows = [("architecture", f"{s['architecture']} (model_type {s['model_type']})"),
             ("source format", s["source_format"]),
             ("layout", f"{s['layout']} ({s['layout_rule']}), detected by {s['detected_by']}"),
@@ -194,15 +242,11 @@ def inspect(
         rows.append(("decoded from the source format", f"{n} {how}"))
     if s["skipped_files"]:
         rows.append(("not copied (other weight formats)", ", ".join(s["skipped_files"][:6])))
-    for k, v in rows:
-        t.add_row(k, Text(v))
-    out.print(t)
-    if tensors:
-        tt = Table("tensor", "dtype", "shape", "action")
-        for row in s["tensors"]:
-            action = row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")
-            tt.add_row(Text(row["name"]), row["dtype"], str(row["shape"]), Text(action))
-        out.print(tt)
+    _table(f"expq inspect {s['source']}", None, rows)
+    if tensors:  # on a terminal, long names fold onto the next line rather than being cut
+        _table(None, ("tensor", "dtype", "shape", "action"),
+               ((Text(row["name"], overflow="fold"), row["dtype"], str(row["shape"]),
+                 row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")) for row in s["tensors"]))
 
 
 @app.command()
@@ -219,6 +263,7 @@ def verify(
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
     from .verifier import verify as api_verify
 
+    quiet_hub_bars()
     with errors_to_exit_codes():
         report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision)
     if as_json:
@@ -229,34 +274,31 @@ def verify(
 
 
 def _print_verify(report) -> None:
+    """The verify report: per-layer table, checks table, legend and verdict (problems on stderr)."""
     from rich import box
 
-    t = Table(title=Text(f"expq verify {report.out}"), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-              padding=(0, 1))
-    for col in ("layer", "experts", "bits", "row err", "kernel", "worst tok", "vs src", "result"):
-        t.add_column(col, no_wrap=True, min_width=len(col))
     fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
     passed = lambda ok: Text("pass", style="green") if ok else Text("FAIL", style="red")  # noqa: E731
+    rows = []
     for r in report.layers:
         bits = "-" if r.codes_differ is None else ("equal" if r.codes_differ == r.scales_differ == 0 else
                                                    f"{r.codes_differ}c/{r.scales_differ}s")
-        t.add_row(str(r.layer), f"{r.experts_exercised}/{r.experts}", bits,
-                  "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
-                  fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err), passed(r.ok))
-    out.print(t)
-    c = Table("check", "result", "detail", title="checks", title_justify="left")
-    for ch in report.checks:
-        c.add_row(Text(ch.name), passed(ch.ok), Text(ch.detail))
-    out.print(c)
-    out.print(Text(f"row err: worst |w - q*s| over rows, in steps s ({report.activation_dtype} allows "
-                   f"{report.row_error_limit:.2f}: w/s is rounded to {report.activation_dtype} before round()); "
-                   "kernel / worst tok: relative error against the fp32 reference (layer / worst token); "
-                   "vs src: against the source experts"))
-    out.print(Text(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
-                   f"{report.tokens} tokens per layer; {report.seconds:.1f} s"))
+        rows.append((str(r.layer), f"{r.experts_exercised}/{r.experts}", bits,
+                     "-" if r.max_row_error_steps is None else f"{r.max_row_error_steps:.2f}",
+                     fmt(r.kernel_rel_err), fmt(r.kernel_worst_token_err), fmt(r.source_rel_err), passed(r.ok)))
+    cols = ("layer", "experts", "bits", "row err", "kernel", "worst tok", "vs src", "result")
+    _table(f"expq verify {report.out}", cols, rows, no_wrap=cols, box=box.SIMPLE_HEAD, pad_edge=False,
+           padding=(0, 1))
+    _table("checks", ("check", "result", "detail"), ((ch.name, passed(ch.ok), ch.detail) for ch in report.checks))
+    _say(f"row err: worst |w - q*s| over rows, in steps s ({report.activation_dtype} allows "
+         f"{report.row_error_limit:.2f}: w/s is rounded to {report.activation_dtype} before round()); "
+         "kernel / worst tok: relative error against the fp32 reference (layer / worst token); "
+         "vs src: against the source experts")
+    _say(f"kernel: {report.backend} on {report.device}, {report.activation_dtype} activations, "
+         f"{report.tokens} tokens per layer; {report.seconds:.1f} s")
     for p in report.problems[:10]:
-        err.print(Text("  problem: ", style="red") + Text(p))
-    out.print(Text(report.verdict, style="bold green" if report.ok else "bold red"))
+        _say(Text("  problem: ", style="red") + Text(p), stderr=True)
+    _say(Text(report.verdict, style="bold green" if report.ok else "bold red"))
 
 
 @app.command()
@@ -270,15 +312,16 @@ def run(
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
     from .runtime import generate
 
+    quiet_hub_bars()
     with errors_to_exit_codes():
         g = generate(out_dir, prompt, max_new_tokens=max_new_tokens, device=device)
-    err.print(Text(f"{g.model_class}: routed experts int8 in memory ({_human(g.experts_bytes)}), "
-                   f"rest {_human(g.other_bytes)}, on {g.device}"))
-    if g.text is not None:
-        out.print(Text(g.text))
-        err.print(Text(f"token ids: {g.new_ids}"))
+    _say(f"{g.model_class}: routed experts int8 in memory ({_human(g.experts_bytes)}), "
+         f"rest {_human(g.other_bytes)}, on {g.device}", stderr=True)
+    if g.text is not None:  # the generated text, exactly (plain print when piped)
+        _say(g.text)
+        _say(f"token ids: {g.new_ids}", stderr=True)
     else:
-        out.print(Text(" ".join(str(t) for t in g.new_ids)))
+        _say(" ".join(str(t) for t in g.new_ids))
 
 
 @app.command()
@@ -299,6 +342,7 @@ def push(
     from .hub import push as api_push
     from .hub import report_json
 
+    quiet_hub_bars()
     with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
                        commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
@@ -306,22 +350,23 @@ def push(
         print(report_json(res))
         return
     if dry_run:
-        t = Table("file", "size", title=Text(f"expq push --dry-run: would upload to {repo_id}"), title_justify="left")
-        for f in res.files:
-            t.add_row(Text(f["path"]), _human(f["size"]))
-        out.print(t)
-        out.print(Text(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}"))
+        _table(f"expq push --dry-run: would upload to {repo_id}", ("file", "size"),
+               ((Text(f["path"], overflow="fold"), _human(f["size"])) for f in res.files))
+        _say(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}")
         sys.stdout.write("\n--- README.md (model card) ---\n\n" + res.card + "\n")
         return
-    out.print(Text(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
+    _say(Text(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
                    f"{' (' + res.revision + ')' if res.revision else ''}; remote sizes and hashes match"))
     for url in (res.pr_url, res.commit_url):
         if url:
-            out.print(Text(url))
+            _say(url)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. When stdout or stderr is not a terminal, usage errors and help are click's plain
+    text (typer's rich panels would wrap them at 80 columns)."""
+    if not (is_tty(sys.stdout) and is_tty(sys.stderr)):
+        app.rich_markup_mode = None
     try:
         with errors_to_exit_codes():
             app()
