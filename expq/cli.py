@@ -143,6 +143,10 @@ def convert(
     ]
     if report.nonfinite_rows:
         rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
+    if report.up_to_date:
+        rows.append(("status", "up to date: OUT already holds this conversion (every file's sha256 checked)"))
+    elif report.shards_resumed:
+        rows.append(("resumed", f"{report.shards_resumed} shards kept from the interrupted run (content checked)"))
     _table(f"expq convert -> {report.out}", None, rows)
     for ex in report.underflow_examples[:5]:
         _say(f"  underflow: {ex}", stderr=True)
