@@ -218,7 +218,7 @@ class OutputDir:
         elif phase in ("swap", "swapped") and _manifest_fingerprint(self.out) == j.get("fingerprint"):
             for p in (self.staging, self.old_path):  # the new one is in OUT: drop what the swap left
                 shutil.rmtree(p, ignore_errors=True)
-            self.journal_path.unlink(missing_ok=True)
+            self._drop_journal()
         elif phase in ("swap", "swapped", "moved-old"):
             self._write_journal(j, phase="writing")  # not swapped: the staging folder is still the new one
         if self.old_path.exists() and self.out.is_dir() and self._read_journal() is None:
@@ -309,6 +309,10 @@ class OutputDir:
         os.replace(tmp, self.journal_path)
         self._journal = j
 
+    def _drop_journal(self) -> None:
+        for p in (self.journal_path, self.journal_path.with_name(self.journal_path.name + ".tmp")):
+            p.unlink(missing_ok=True)
+
     def record(self, name: str, jobs: dict | None = None) -> None:
         """A staged file is complete and fsync'd: record its size and sha256 (a re-run keeps it), and the row
         findings of the jobs finished so far (``jobs``: job index -> dict)."""
@@ -368,14 +372,14 @@ class OutputDir:
         else:
             _rename(self.staging, self.out)  # onto a missing or empty OUT
         fsync_path(parent)
-        self.journal_path.unlink(missing_ok=True)
+        self._drop_journal()
         fsync_path(parent)
         self.release()
 
     def discard(self) -> None:
         """Remove the staging folder and the journal (nothing to resume)."""
         shutil.rmtree(self.staging, ignore_errors=True)
-        self.journal_path.unlink(missing_ok=True)
+        self._drop_journal()
         self.release()
 
     def release(self) -> None:
