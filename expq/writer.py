@@ -202,8 +202,12 @@ class OutputDir:
         j = self._read_journal()
         if j is not None and j.get("fingerprint") == self.fingerprint:
             self.discard()
-        else:
-            self.release()
+            return
+        if j is None:
+            self._drop_journal()  # a journal write cut short before it was ever complete
+            if self.staging.is_dir() and not any(self.staging.iterdir()):
+                self.staging.rmdir()
+        self.release()
 
     # --- start: recover an interrupted commit, check OUT, resume ---------------------------------------------------
     def _recover(self) -> None:
