@@ -103,6 +103,9 @@ class ConvertedCheckpoint:
 
     def _format_name(self) -> str:
         if self.manifest is not None:
+            if self.manifest.format not in FORMATS:
+                raise SourceError(f"format {self.manifest.format!r} is not an expq output format (known: "
+                                  f"{', '.join(FORMATS)})", file=str(self.root / MANIFEST))
             return self.manifest.format
         method = self.quantization_config.get("quant_method")
         return method if method in FORMATS else next(iter(FORMATS))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import ConvertedCheckpoint
-from .errors import ExpqError, UsageError
+from .errors import ExpqError, UnreadableInputError, UsageError
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
 
@@ -277,8 +277,12 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     out = Path(out)
     if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1:
         raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
-    ck = ConvertedCheckpoint(out)  # raises if OUT is not a converted checkpoint
-    del ck
+    try:
+        ConvertedCheckpoint(out)  # raises if OUT is not a converted checkpoint
+    except UsageError:
+        raise
+    except ExpqError as e:
+        raise UnreadableInputError.from_error(e) from None
     report = None
     if not skip_verify:
         from .verifier import verify

@@ -276,6 +276,7 @@ def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
             if t is not None:
                 stacked[k] = StackedTensor(t.name, _tuple(t.orientation), t.order, t.flat)
     out_names = {p: getattr(out, p) or proj_names.get(p, f"{p}_proj") for p in PROJECTIONS}
+    _check_names(path, ex, proj_names, out_names, out.module or ex.module + ".{expert}", stacked)
     keys = {k: _tuple(getattr(cfg, k)) for k in ("num_experts", "num_layers", "hidden_size", "intermediate_size",
                                                  "top_k")}
     return Layout(
@@ -287,6 +288,32 @@ def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
         runtime_module=f.runtime.module or ex.module, runtime_forward=f.runtime.forward,
         stock_transformers=f.clients.transformers, stock_vllm=f.clients.vllm, vllm_note=f.clients.vllm_note,
         source_text=text)
+
+
+def _check_names(path: str, ex, proj_names: dict, out_names: dict, out_module: str, stacked: dict) -> None:
+    """What the schema cannot see: distinct projection names, one ``{expert}`` and no other placeholder in
+    ``output.module``, distinct orientations."""
+    import string
+
+    if len(set(proj_names.values())) != len(proj_names):
+        raise LayoutError(f"experts.gate/up/down must be three different names, got {list(proj_names.values())}",
+                          file=path)
+    if len(set(out_names.values())) != len(out_names):
+        raise LayoutError(f"output.gate/up/down must be three different names, got {list(out_names.values())}",
+                          file=path)
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(out_module) if f is not None]
+    except ValueError as e:
+        raise LayoutError(f"output.module {out_module!r} is not a valid template: {e}", file=path) from None
+    if fields != ["expert"]:
+        raise LayoutError(f"output.module must hold {{expert}} exactly once and no other placeholder, got "
+                          f"{out_module!r}", file=path)
+    for part, st in stacked.items():
+        if len(set(st.orientations)) != len(st.orientations):
+            raise LayoutError(f"experts.{part}.orientation lists {st.orientations[0]} twice", file=path)
+    if ex.rule == "per_expert" and ex.biases:
+        raise LayoutError("experts.biases is for stacked layouts (per-expert biases are copied as they are)",
+                          file=path)
 
 
 @cache

@@ -18,7 +18,7 @@ MANIFEST = "expq.json"
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "24", true, 24.0 are not 24
 
 
 class SourceRecord(_Record):

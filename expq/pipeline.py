@@ -85,8 +85,15 @@ def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
     shards.done(out)
 
 
-def _run_decode(plan: Plan, job: Job, shards: ShardSet) -> None:
-    shards.write(job.outputs[0], plan.source.read_logical(job.source))
+def _run_decode(plan: Plan, job: Job, shards: ShardSet, allow_nonfinite: bool) -> None:
+    t = plan.source.read_logical(job.source)
+    if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        parts = ", ".join(p.name for p in job.source.parts[1:]) or "its stored values"
+        raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
+                             file=job.source.file, tensor=job.source.name,
+                             hint="pass --allow-nonfinite to write it anyway")
+    shards.write(job.outputs[0], t)
 
 
 def _run_quantize(plan: Plan, index: int, job: Job, device: torch.device, shards: ShardSet, stats: RunStats,
@@ -178,7 +185,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                 if job.kind == "copy":
                     _run_copy(plan, job, shards)
                 elif job.kind == "decode":
-                    _run_decode(plan, job, shards)
+                    _run_decode(plan, job, shards, allow_nonfinite)
                 else:
                     _run_quantize(plan, i, job, device, shards, stats, allow_nonfinite, lock)
                 count += 1

@@ -18,6 +18,7 @@ Checks:
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -199,8 +200,12 @@ def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check
     bad = []
     listed = {f.name: f for f in ck.manifest.files}
     present = {p.relative_to(ck.root).as_posix() for p in ck.root.rglob("*") if p.is_file()} - {"expq.json"}
+    notes = []
     for n in sorted(present - set(listed)):
-        bad.append(f"file {n}: in OUT but not in expq.json (not written by expq convert)")
+        if re.search(r"\.(md|txt|rst)$", n, re.IGNORECASE):  # documentation a user added (a push publishes it)
+            notes.append(n)
+        else:  # weights, configs, code: anything a loader could read
+            bad.append(f"file {n}: in OUT but not in expq.json (not written by expq convert)")
     for n, f in sorted(listed.items()):
         p = ck.root / n
         if not p.is_file():
@@ -213,7 +218,8 @@ def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check
             bad.append(f"file {n}: content changed since expq convert wrote it (sha256 differs from expq.json)")
     for b in bad:
         _fail(problems, b)
-    return Check(name, not bad, bad[0] if bad else f"{len(listed)} files")
+    detail = f"{len(listed)} files" + (f"; documentation added since: {', '.join(notes)}" if notes else "")
+    return Check(name, not bad, bad[0] if bad else detail)
 
 
 def _layer_checks(ck: ConvertedCheckpoint, plan, problems: list[str], dev: torch.device, tokens: int,

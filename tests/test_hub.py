@@ -168,7 +168,7 @@ def test_push_refuses_failing_checkpoint(hub_server, converted):
     t = load_file(converted / idx["weight_map"][name])
     t[name].zero_()  # bytes 0 = code -128: outside the scheme's range
     save_file(t, converted / idx["weight_map"][name], metadata={"format": "pt"})
-    with pytest.raises(PushError, match="verify failed, refusing to push.*layer 1 expert 0 down"):
+    with pytest.raises(PushError, match="verify failed, refusing to push.*(sha256 differs|layer 1 expert 0 down)"):
         push(converted, "me/bad")
     assert not hub_server.repo_exists("me/bad")
     code, text = run("push", converted, "me/bad")

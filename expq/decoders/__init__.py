@@ -46,7 +46,16 @@ def detect(config: dict, tensors: dict[str, TensorInfo]) -> Decoder:
         dec = cls.detect(config, tensors)
         if dec is not None:
             return dec
+    raw = config.get("quantization_config")
+    if raw is not None and not isinstance(raw, dict):
+        raise SourceError(f"quantization_config must be a JSON object, got {type(raw).__name__}", file="config.json")
     qc = source_quantization_config(config)
+    if not qc:
+        quantized = next((t for t in tensors.values() if t.dtype.startswith("F8_")
+                          or (t.dtype == "U8" and t.name.endswith("_blocks"))), None)
+        if quantized is not None:
+            raise SourceError(f"stored as {quantized.dtype} but config.json has no quantization_config saying how "
+                              "to decode it", file=quantized.file, tensor=quantized.name)
     if qc:
         method = qc.get("quant_method", "?")
         raise SourceError(f"the source is already quantized (quantization_config quant_method={method!r}); expq "
