@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo test test-faults test-gpu bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests
+
+# Every fault sweep, the slow one included (a kill at every fsync of a new OUT).
+test-faults: $(STAMP)
+	EXPQ_SLOW=1 $(PY) -m pytest -q tests/test_reliability.py
 
 # GPU tests (need CUDA; run them on a GPU machine).
 test-gpu: $(STAMP)

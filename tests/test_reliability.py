@@ -53,8 +53,15 @@ def leftovers(parent):
     return sorted(p.name for p in parent.iterdir() if p.name not in ("out", NOTE))
 
 
-@pytest.mark.parametrize("point", ["fsync", "rename"])
-@pytest.mark.parametrize("replace", [False, True], ids=["new-out", "overwrite"])
+SWEEPS = [("fsync", True), ("rename", True), ("rename", False),
+          # the new-OUT fsync sweep kills at the same points as the overwrite one, less the exchange's journal write;
+          # it is the slowest test (one subprocess a point): run it with EXPQ_SLOW=1 (make test-faults)
+          pytest.param("fsync", False, marks=pytest.mark.skipif(os.environ.get("EXPQ_SLOW") != "1",
+                                                                reason="EXPQ_SLOW=1 (make test-faults)"))]
+
+
+@pytest.mark.parametrize("point,replace", SWEEPS,
+                         ids=["overwrite-fsync", "overwrite-rename", "new-out-rename", "new-out-fsync"])
 def test_kill_at_every_fsync_and_rename(point, replace, reference, tmp_path):
     src, new, old_dir, old = reference
     tried = 0
@@ -135,7 +142,7 @@ def test_signals_stop_cleanly_and_resume(sig, code, reference, tmp_path):
 def test_many_simultaneous_starts(reference, tmp_path):
     src, new, _, _ = reference
     out = tmp_path / "out"
-    procs = [cli("convert", src, out, "--device", "cpu") for _ in range(6)]
+    procs = [cli("convert", src, out, "--device", "cpu") for _ in range(4)]
     results = [(p.wait(timeout=180), p.stdout.read()) for p in procs]
     codes = [c for c, _ in results]
     assert all(c in (0, 2) for c in codes), results
