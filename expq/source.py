@@ -31,7 +31,7 @@ ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 DTYPE_BITS = {
     "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32,
     "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
-    "C64": 64,
+    "C64": 64, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
 }
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
@@ -296,31 +296,75 @@ def _brief_error(e: Exception) -> str:
 
 
 def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
-                commit: str | None = None) -> Source:
+                commit: str | None = None, allow_outside_links: bool = False) -> Source:
     """Read and validate a local checkpoint directory.
 
     Steps: read config.json; find the shard files (index, or the single file); read and check every shard header;
     check the index against the headers; list the side files; detect the source format (``decoders``).
 
+    Every file read or copied must stay inside ``root``: a symbolic link (or an index entry) that resolves outside it
+    is refused, unless ``allow_outside_links``. In a Hub cache snapshot (``<cache>/models--org--name/snapshots/<sha>``)
+    links into the repo's ``blobs/`` folder are how the cache stores files, and are accepted.
+
     Raises:
         SourceError: missing config.json or weights, an index that names missing files or tensors, a tensor stored
-            twice, any shard error from ``read_header``, or a quantized format no decoder handles.
+            twice, a file that resolves outside the checkpoint directory, any shard error from ``read_header``, or a
+            quantized format no decoder handles.
     """
     from .decoders import detect
 
     root = Path(root)
     if not root.is_dir():
         raise SourceError("not a directory", file=str(root))
+    inside = _Inside(root, enabled=not allow_outside_links)
+    inside.check("config.json", "config.json")
     config = read_config(root)
     weight_map, files = _shard_files(root)
+    what = f"listed in {INDEX_NAME}, but" if weight_map is not None else "weights file"
+    if weight_map is not None:
+        inside.check(INDEX_NAME, INDEX_NAME)
+    for rel in files:
+        inside.check(rel, what)
     shards, tensors = _read_shards(root, files)
     if weight_map is not None:
         _check_index(root, weight_map, tensors)
-    side, skipped = _side_files(root, set(files))
+    side, skipped = _side_files(root, set(files), inside)
     decoder = detect(config, tensors)
     return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
                   decoder=decoder, logical=decoder.logical_tensors(tensors), repo_id=repo_id, revision=revision,
                   commit=commit)
+
+
+class _Inside:
+    """Where a source's files may resolve to: the checkpoint directory, and for a Hub cache snapshot the repo's
+    ``blobs/`` folder (``snapshots/<sha>/../../blobs``)."""
+
+    def __init__(self, root: Path, enabled: bool = True):
+        self.root = root
+        self.enabled = enabled
+        real = root.resolve()
+        self.allowed = [real]
+        blobs = real.parent.parent / "blobs"
+        if real.parent.name == "snapshots" and blobs.is_dir():
+            self.allowed.append(blobs.resolve())
+
+    def check(self, rel: str, what: str) -> None:
+        """Refuse ``root/rel`` if it resolves outside the allowed folders (a link out), naming it and its target.
+
+        Raises:
+            SourceError: ``{what} resolves to TARGET, outside the checkpoint directory``.
+        """
+        if not self.enabled:
+            return
+        p = self.root / rel
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            raise SourceError(f"{what} cannot be resolved ({e.strerror if isinstance(e, OSError) else e})",
+                              file=str(p)) from None
+        if not any(real.is_relative_to(a) for a in self.allowed):
+            raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
+                              hint="copy the file into the checkpoint directory instead of linking to it")
 
 
 def read_config(root: Path) -> dict:
@@ -338,7 +382,41 @@ def read_config(root: Path) -> dict:
         raise SourceError(f"not valid JSON: {e}", file=str(cfg_path)) from None
     if not isinstance(config, dict):
         raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
+    check_config_types(config, cfg_path)
     return config
+
+
+def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> None:
+    """Check the types of the config.json keys that name the model: ``model_type`` (a string), ``architectures`` (a
+    list of strings) and the nested model configs (``text_config``...: objects), and the same keys inside those.
+    ``null`` counts as absent. The numbers expq reads are checked where they are read (``experts``, ``layouts``).
+
+    Example:
+        >>> check_config_types({"model_type": "mixtral", "text_config": "qwen3"})
+        Traceback (most recent call last):
+        expq.errors.SourceError: file config.json: text_config must be a JSON object, got "qwen3"
+
+    Raises:
+        SourceError: one line naming config.json and the key (dotted for nested keys).
+    """
+    from .layouts import shared_facts
+
+    nested = shared_facts().nested_config_sections
+    scopes = [("", config)]
+    for n in nested:
+        v = config.get(n)
+        if v is not None and not isinstance(v, dict):
+            raise SourceError(f"{n} must be a JSON object, got {_kind(v)}", file=str(cfg_path))
+        if v is not None:
+            scopes.append((f"{n}.", v))
+    for prefix, scope in scopes:
+        mt = scope.get("model_type")
+        if mt is not None and not isinstance(mt, str):
+            raise SourceError(f"{prefix}model_type must be a string, got {_kind(mt)}", file=str(cfg_path))
+        archs = scope.get("architectures")
+        if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+            raise SourceError(f"{prefix}architectures must be a list of strings, got {_kind(archs)}",
+                              file=str(cfg_path))
 
 
 def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
@@ -401,16 +479,24 @@ def _check_index(root: Path, weight_map: dict[str, str], tensors: dict[str, Tens
                           tensor=extra[0])
 
 
-def _side_files(root: Path, weight_files: set[str]) -> tuple[list[str], list[str]]:
-    """(files to copy, weight files in other formats that are not copied), relative paths, sorted."""
+def _side_files(root: Path, weight_files: set[str], inside: _Inside | None = None) -> tuple[list[str], list[str]]:
+    """(files to copy, weight files in other formats that are not copied), relative paths, sorted. Each file to copy
+    must stay inside the checkpoint directory (``inside``); a link to a missing file is refused."""
     side, skipped = [], []
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_dir() or rel.startswith(".") or "/." in rel:
+        if rel.startswith(".") or "/." in rel:
             continue
-        if rel in weight_files or rel in (INDEX_NAME, "config.json"):
+        if p.is_dir() or rel in weight_files or rel in (INDEX_NAME, "config.json"):
             continue
-        (skipped if WEIGHT_FILE.search(rel) else side).append(rel)
+        if WEIGHT_FILE.search(rel):
+            skipped.append(rel)
+            continue
+        if inside is not None:
+            inside.check(rel, "side file")
+        if not p.exists():
+            raise SourceError(f"side file is a symbolic link to a missing file ({os.readlink(p)})", file=str(p))
+        side.append(rel)
     return side, skipped
 
 
