@@ -1,9 +1,10 @@
 """Hostile input: bad safetensors headers, bad config.json types, and links out of SRC.
 
 Each case gives one exact line that names the file (and the tensor or key), from the API and from ``expq inspect`` /
-``expq convert`` on the command line (exit 1, no traceback, the same line after ``error:``). 27 header cases, 9
-config cases and 5 link cases (41 bad inputs), plus 4 inputs that must keep working (Hub snapshot links, links
-inside SRC, the opt-out, a library-valid header with zero-size tensors).
+``expq convert`` on the command line (exit 1, no traceback, the same line after ``error:``). 28 header cases, 9
+config cases and 6 link cases (43 bad inputs, each a clean error), plus 4 inputs that must keep working (Hub snapshot
+links into blobs/, links inside SRC, the ``allow_outside_links`` opt-out, a library-valid header with zero-size
+tensors, null metadata and an unknown entry key).
 """
 
 from __future__ import annotations
