@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-gpu bench clean
+.PHONY: install demo test test-faults test-gpu fuzz bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ test-faults: $(STAMP)
 # GPU tests (need CUDA; run them on a GPU machine).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
+
+# Long fuzz run over the header parser and the config reader (CI runs 300 examples in tests/test_fuzz.py).
+FUZZ_N ?= 20000
+fuzz: $(STAMP)
+	$(PY) bench/fuzz.py $(FUZZ_N)
 
 clean:
 	rm -rf build $(VENV)

@@ -314,6 +314,9 @@ class ExpertMap:
 
 
 # --- steps of from_source ---------------------------------------------------------------------------------------------
+MAX_CONFIG_INT = 1 << 20  # layers, experts, sizes read from config.json
+
+
 def _config_int(config: dict, keys: tuple[str, ...], what: str, used: dict[str, str], required: bool) -> int | None:
     val, where = config_lookup(config, keys)
     if val is None:
@@ -321,11 +324,19 @@ def _config_int(config: dict, keys: tuple[str, ...], what: str, used: dict[str, 
             raise LayoutError(f"config.json has no {what} (looked for {', '.join(keys)})", file="config.json")
         return None
     used[what] = where
-    if isinstance(val, list):  # e.g. per-layer sizes: not a single number
+    if isinstance(val, list) and not required:  # e.g. per-layer sizes: not a single number
         return None
     if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-        raise LayoutError(f"{where} = {val!r} is not an integer", file="config.json")
+        raise LayoutError(f"{where} = {_brief(val)} is not an integer", file="config.json")
+    if val > MAX_CONFIG_INT:  # no model comes near; the loops over layers and experts must stay bounded
+        raise LayoutError(f"{where} = {_brief(val)} is too large (at most {MAX_CONFIG_INT})", file="config.json")
     return val
+
+
+def _brief(v: Any) -> str:
+    """A config value for an error line: its repr, cut at 60 characters."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:60] + "..."
 
 
 def _config_numbers(layout: Layout, config: dict, used: dict[str, str]) -> dict[str, Any]:

@@ -460,6 +460,8 @@ def moe_layer_indices(layout: Layout, config: dict, num_layers: int) -> list[int
             elif rule == "moe_layer_start_index":
                 start = get("moe_layer_start_index", "int", 0)
                 end = config_lookup(config, ("moe_layer_end_index",))[0]
+                if end is not None and (isinstance(end, bool) or not isinstance(end, int)):
+                    raise LayoutError(f"moe_layer_end_index must be an integer, got {end!r}", file="config.json")
                 end = num_layers - 1 if end is None or end < 0 else end
                 interval = get("moe_layer_interval", "int", 1, minimum=1)
                 moe &= start <= L <= end and (L + 1) % interval == 0

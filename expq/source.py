@@ -22,13 +22,16 @@ from .errors import SourceError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER = 100_000_000  # the safetensors library's limit (bytes of JSON header)
+MAX_USIZE = 2**64 - 1  # shapes and offsets are u64 in the library
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
+ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 # Bits per element of every safetensors dtype.
 DTYPE_BITS = {
     "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32,
     "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
-    "C64": 64,
+    "C64": 64, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
 }
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
@@ -119,81 +122,247 @@ class Source:
 
 
 def read_header(path: Path, rel: str) -> Shard:
-    """Parse and validate one safetensors file's header.
+    """Parse and validate one safetensors file's header as strictly as the safetensors library does.
+
+    The header must be UTF-8 JSON (at most 100,000,000 bytes) holding an object; ``__metadata__`` (optional) maps
+    strings to strings; every other key is a tensor whose entry holds ``dtype`` (a safetensors dtype name), ``shape``
+    (non-negative integers) and ``data_offsets`` (``[begin, end]``, non-negative integers, ``begin <= end``) whose
+    length matches dtype and shape. Sorted by offset, the tensors must cover the data area exactly: no overlap, no
+    gap, nothing after the last tensor (the library refuses trailing bytes too). Unknown keys inside an entry are
+    ignored, as the library ignores them.
+
+    Example:
+        >>> shard = read_header(Path("ckpt/model.safetensors"), "model.safetensors")  # doctest: +SKIP
+        >>> [(t.name, t.dtype, t.shape) for t in shard.tensors]  # doctest: +SKIP
+        [('lm_head.weight', 'BF16', (32, 64)), ...]
 
     Raises:
-        SourceError: unreadable file, bad header, unknown dtype, offsets that overlap, leave gaps, disagree with the
-            shape, or run past the end of the file (a truncated download).
+        SourceError: one line naming the file (and the tensor where one is at fault): unreadable file, a Git LFS
+            pointer instead of the weights, bad header length, header not UTF-8 JSON or not an object, a malformed
+            entry or metadata, unknown dtype, offsets that overlap, leave gaps, disagree with the shape, stop short
+            of the end of the file or run past it (a truncated download).
     """
+    size, n, text = _header_bytes(path)
+    header = _header_json(text, path)
+    meta = _header_metadata(header.pop("__metadata__", None), path)
+    base = 8 + n
+    tensors = [_header_entry(name, e, rel, base, path) for name, e in header.items()]
+    tensors.sort(key=lambda x: (x.start, x.end))
+    pos = base
+    for ti in tensors:
+        if ti.start != pos:
+            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=str(path),
+                              tensor=_shown(ti.name))
+        pos = ti.end
+    last = _shown(tensors[-1].name) if tensors else None
+    if pos > size:
+        raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
+                          file=str(path), tensor=last)
+    if pos < size:
+        extra = size - pos
+        raise SourceError(f"{extra} byte{'s' if extra != 1 else ''} after the end of the last tensor's data (byte "
+                          f"{pos}): the header does not cover the file", file=str(path), tensor=last)
+    return Shard(rel, path, size, tensors, meta)
+
+
+def _header_bytes(path: Path) -> tuple[int, int, str]:
+    """(file size, header length, header text) of a safetensors file; Git LFS pointers named as such."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
+            if raw.startswith(LFS_POINTER[:8]) and (raw + f.read(len(LFS_POINTER) - 8)) == LFS_POINTER:
+                raise SourceError("a Git LFS pointer, not the weights", file=str(path), hint="run git lfs pull")
             if len(raw) < 8:
                 raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=str(path))
             n = int.from_bytes(raw, "little")
             if n <= 0 or n > MAX_HEADER or 8 + n > size:
                 raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=str(path))
-            header = json.loads(f.read(n))
+            blob = f.read(n)
     except OSError as e:
         raise SourceError(f"cannot read: {e.strerror or e}", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SourceError("not a safetensors file (header is not JSON)", file=str(path)) from None
-    meta = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    tensors = []
-    for name, e in header.items():
-        try:
-            dtype, shape, (s, t) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SourceError("malformed header entry", file=str(path), tensor=name) from None
-        if dtype not in DTYPE_BITS:
-            raise SourceError(f"unknown dtype {dtype}", file=str(path), tensor=name)
-        expect = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
-        if t - s != expect:
-            raise SourceError(f"byte range {t - s} does not match {dtype}{list(shape)} ({expect} bytes)",
-                              file=str(path), tensor=name)
-        tensors.append(TensorInfo(name, rel, dtype, shape, base + s, base + t))
-    tensors.sort(key=lambda x: x.start)
-    pos = base
-    for ti in tensors:
-        if ti.start != pos:
-            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=str(path),
-                              tensor=ti.name)
-        pos = ti.end
-    if pos > size:
-        last = tensors[-1].name if tensors else None
-        raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
-                          file=str(path), tensor=last)
-    return Shard(rel, path, size, tensors, meta)
+    if len(blob) != n:
+        raise SourceError(f"short read of the header ({len(blob)} of {n} bytes): file changed or truncated",
+                          file=str(path))
+    try:
+        return size, n, blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(f"not a safetensors file (header is not UTF-8: byte {e.start})", file=str(path)) from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _header_json(text: str, path: Path) -> dict:
+    """The header text as a dict (strict JSON: no NaN/Infinity, no lone surrogates, bounded nesting)."""
+    try:
+        header = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise SourceError("not a safetensors file (header JSON is nested too deeply)", file=str(path)) from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers too long to convert
+        raise SourceError(f"not a safetensors file (header is not JSON: {_brief_error(e)})", file=str(path)) from None
+    if not isinstance(header, dict):
+        raise SourceError(f"not a safetensors file (header is {_kind(header)}, not a JSON object)", file=str(path))
+    for key in header:
+        if not _valid_text(key):
+            raise SourceError(f"tensor name {ascii(key)[:80]} is not valid Unicode", file=str(path))
+    return header
+
+
+def _header_metadata(meta: Any, path: Path) -> dict[str, str]:
+    """``__metadata__``: absent, null or a str -> str object."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise SourceError(f"__metadata__ must be an object of strings, got {_kind(meta)}", file=str(path))
+    for k, v in meta.items():
+        if not isinstance(v, str) or not _valid_text(k) or not _valid_text(v):
+            raise SourceError(f"__metadata__[{ascii(k)[:80]}] must be a string, got {_kind(v)}", file=str(path))
+    return meta
+
+
+def _header_entry(name: str, e: Any, rel: str, base: int, path: Path) -> TensorInfo:
+    """One tensor entry of a header, checked: dtype, shape, offsets and their agreement."""
+    def bad(what: str) -> SourceError:
+        return SourceError(f"malformed header entry: {what}", file=str(path), tensor=_shown(name))
+
+    if not isinstance(e, dict):
+        raise bad(f"expected an object with {', '.join(ENTRY_KEYS)}, got {_kind(e)}")
+    missing = [k for k in ENTRY_KEYS if k not in e]
+    if missing:
+        raise bad(f"no {', '.join(missing)}")
+    dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise SourceError(f"unknown dtype {_kind(dtype)}", file=str(path), tensor=_shown(name))
+    if not isinstance(shape, list) or not all(_is_u64(x) for x in shape):
+        raise bad(f"shape must be a list of non-negative integers, got {_kind(shape)}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(x) for x in offsets):
+        raise bad(f"data_offsets must be [begin, end] (non-negative integers), got {_kind(offsets)}")
+    s, t = offsets
+    if s > t:
+        raise bad(f"data_offsets {offsets} end before they begin")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits > MAX_USIZE:
+        raise bad(f"shape {shape} is too large")
+    if bits % 8:
+        raise bad(f"{dtype}{shape} does not fill whole bytes ({bits} bits)")
+    if t - s != bits // 8:
+        raise SourceError(f"byte range {t - s} does not match {dtype}{shape} ({bits // 8} bytes)",
+                          file=str(path), tensor=_shown(name))
+    return TensorInfo(name, rel, dtype, tuple(shape), base + s, base + t)
+
+
+def _is_u64(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_USIZE
+
+
+def _valid_text(s: str) -> bool:
+    """A string that UTF-8 can hold (JSON lets ``\\ud800`` through; the safetensors library refuses it)."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _shown(name: str) -> str:
+    """A tensor name as an error line shows it: as is when printable, else escaped; long names cut."""
+    shown = name if name.isprintable() else ascii(name)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
+def _kind(v: Any) -> str:
+    """A JSON value in a few words for an error line (never a deep or huge repr)."""
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        if len(v) <= 8 and all(isinstance(x, (int, float, str, bool)) or x is None for x in v):
+            return _kind_short(json.dumps(v))
+        return f"a list of {len(v)}"
+    if v is None:
+        return "null"
+    return _kind_short(json.dumps(v))
+
+
+def _kind_short(text: str) -> str:
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _brief_error(e: Exception) -> str:
+    return _kind_short(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
-                commit: str | None = None) -> Source:
+                commit: str | None = None, allow_outside_links: bool = False) -> Source:
     """Read and validate a local checkpoint directory.
 
     Steps: read config.json; find the shard files (index, or the single file); read and check every shard header;
     check the index against the headers; list the side files; detect the source format (``decoders``).
 
+    Every file read or copied must stay inside ``root``: a symbolic link (or an index entry) that resolves outside it
+    is refused, unless ``allow_outside_links``. In a Hub cache snapshot (``<cache>/models--org--name/snapshots/<sha>``)
+    links into the repo's ``blobs/`` folder are how the cache stores files, and are accepted.
+
     Raises:
         SourceError: missing config.json or weights, an index that names missing files or tensors, a tensor stored
-            twice, any shard error from ``read_header``, or a quantized format no decoder handles.
+            twice, a file that resolves outside the checkpoint directory, any shard error from ``read_header``, or a
+            quantized format no decoder handles.
     """
     from .decoders import detect
 
     root = Path(root)
     if not root.is_dir():
         raise SourceError("not a directory", file=str(root))
+    inside = _Inside(root, enabled=not allow_outside_links)
+    inside.check("config.json", "config.json")
     config = read_config(root)
     weight_map, files = _shard_files(root)
+    what = f"listed in {INDEX_NAME}, but" if weight_map is not None else "weights file"
+    if weight_map is not None:
+        inside.check(INDEX_NAME, INDEX_NAME)
+    for rel in files:
+        inside.check(rel, what)
     shards, tensors = _read_shards(root, files)
     if weight_map is not None:
         _check_index(root, weight_map, tensors)
-    side, skipped = _side_files(root, set(files))
+    side, skipped = _side_files(root, set(files), inside)
     decoder = detect(config, tensors)
     return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
                   decoder=decoder, logical=decoder.logical_tensors(tensors), repo_id=repo_id, revision=revision,
                   commit=commit)
+
+
+class _Inside:
+    """Where a source's files may resolve to: the checkpoint directory, and for a Hub cache snapshot the repo's
+    ``blobs/`` folder (``snapshots/<sha>/../../blobs``)."""
+
+    def __init__(self, root: Path, enabled: bool = True):
+        self.root = root
+        self.enabled = enabled
+        real = root.resolve()
+        self.allowed = [real]
+        blobs = real.parent.parent / "blobs"
+        if real.parent.name == "snapshots" and blobs.is_dir():
+            self.allowed.append(blobs.resolve())
+
+    def check(self, rel: str, what: str) -> None:
+        """Refuse ``root/rel`` if it resolves outside the allowed folders (a link out), naming it and its target.
+
+        Raises:
+            SourceError: ``{what} resolves to TARGET, outside the checkpoint directory``.
+        """
+        if not self.enabled:
+            return
+        p = self.root / rel
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            raise SourceError(f"{what} cannot be resolved ({e.strerror if isinstance(e, OSError) else e})",
+                              file=str(p)) from None
+        if not any(real.is_relative_to(a) for a in self.allowed):
+            raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
+                              hint="copy the file into the checkpoint directory instead of linking to it")
 
 
 def read_config(root: Path) -> dict:
@@ -211,7 +380,41 @@ def read_config(root: Path) -> dict:
         raise SourceError(f"not valid JSON: {e}", file=str(cfg_path)) from None
     if not isinstance(config, dict):
         raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
+    check_config_types(config, cfg_path)
     return config
+
+
+def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> None:
+    """Check the types of the config.json keys that name the model: ``model_type`` (a string), ``architectures`` (a
+    list of strings) and the nested model configs (``text_config``...: objects), and the same keys inside those.
+    ``null`` counts as absent. The numbers expq reads are checked where they are read (``experts``, ``layouts``).
+
+    Example:
+        >>> check_config_types({"model_type": "mixtral", "text_config": "qwen3"})
+        Traceback (most recent call last):
+        expq.errors.SourceError: file config.json: text_config must be a JSON object, got "qwen3"
+
+    Raises:
+        SourceError: one line naming config.json and the key (dotted for nested keys).
+    """
+    from .layouts import shared_facts
+
+    nested = shared_facts().nested_config_sections
+    scopes = [("", config)]
+    for n in nested:
+        v = config.get(n)
+        if v is not None and not isinstance(v, dict):
+            raise SourceError(f"{n} must be a JSON object, got {_kind(v)}", file=str(cfg_path))
+        if v is not None:
+            scopes.append((f"{n}.", v))
+    for prefix, scope in scopes:
+        mt = scope.get("model_type")
+        if mt is not None and not isinstance(mt, str):
+            raise SourceError(f"{prefix}model_type must be a string, got {_kind(mt)}", file=str(cfg_path))
+        archs = scope.get("architectures")
+        if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+            raise SourceError(f"{prefix}architectures must be a list of strings, got {_kind(archs)}",
+                              file=str(cfg_path))
 
 
 def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
@@ -274,16 +477,24 @@ def _check_index(root: Path, weight_map: dict[str, str], tensors: dict[str, Tens
                           tensor=extra[0])
 
 
-def _side_files(root: Path, weight_files: set[str]) -> tuple[list[str], list[str]]:
-    """(files to copy, weight files in other formats that are not copied), relative paths, sorted."""
+def _side_files(root: Path, weight_files: set[str], inside: _Inside | None = None) -> tuple[list[str], list[str]]:
+    """(files to copy, weight files in other formats that are not copied), relative paths, sorted. Each file to copy
+    must stay inside the checkpoint directory (``inside``); a link to a missing file is refused."""
     side, skipped = [], []
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_dir() or rel.startswith(".") or "/." in rel:
+        if rel.startswith(".") or "/." in rel:
             continue
-        if rel in weight_files or rel in (INDEX_NAME, "config.json"):
+        if p.is_dir() or rel in weight_files or rel in (INDEX_NAME, "config.json"):
             continue
-        (skipped if WEIGHT_FILE.search(rel) else side).append(rel)
+        if WEIGHT_FILE.search(rel):
+            skipped.append(rel)
+            continue
+        if inside is not None:
+            inside.check(rel, "side file")
+        if not p.exists():
+            raise SourceError(f"side file is a symbolic link to a missing file ({os.readlink(p)})", file=str(p))
+        side.append(rel)
     return side, skipped
 
 
