@@ -26,7 +26,7 @@ from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
-from .errors import ExpqError, UsageError
+from .errors import ExpqError
 from .progress import ProgressLines, interactive, is_tty, quiet_hub_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

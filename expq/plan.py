@@ -10,7 +10,7 @@ the jobs; the writer lays down the files.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 

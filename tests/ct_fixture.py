@@ -9,7 +9,6 @@ min/max into scales (and zero points), the format's compressor (``BaseCompressor
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from pathlib import Path

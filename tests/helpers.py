@@ -214,5 +214,16 @@ def rel(a, b):
 
 
 
+def edit_shard_tensors(root: Path, name: str, fn) -> None:
+    """Call ``fn(tensors)`` on the dict of tensors of the indexed shard that holds ``name``, and save it back."""
+    from safetensors.torch import load_file, save_file
+
+    idx = json.loads((Path(root) / "model.safetensors.index.json").read_text())["weight_map"]
+    f = Path(root) / idx[name]
+    t = load_file(f)
+    fn(t)
+    save_file(t, f, metadata={"format": "pt"})
+
+
 def load_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())

@@ -5,14 +5,11 @@ quantization_config, and a quantization_config that is not an object."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from fp8_fixture import make_fp8_deepseek
-from helpers import example
-from safetensors.torch import load_file, save_file
+from helpers import edit_shard_tensors, example
 
 import expq
 from expq.errors import LayoutError, NonFiniteError, SourceError
@@ -21,18 +18,10 @@ from expq.layouts import parse_layout
 MIXTRAL = Path("configs/mixtral.toml").read_text()
 
 
-def _edit(root: Path, name: str, fn) -> None:
-    idx = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
-    f = root / idx[name]
-    t = load_file(f)
-    fn(t)
-    save_file(t, f, metadata={"format": "pt"})
-
-
 def test_nan_in_a_decoded_non_expert_tensor_is_refused(tmp_path, tmp_path_factory):
     fp8, _ = make_fp8_deepseek(example(tmp_path_factory, "deepseek_v3"), tmp_path / "made", block=(32, 32))
     name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
-    _edit(fp8, name, lambda t: t[name].view(-1)[:1].fill_(float("nan")))
+    edit_shard_tensors(fp8, name, lambda t: t[name].view(-1)[:1].fill_(float("nan")))
     with pytest.raises(NonFiniteError, match=r"decodes to \d+ NaN/infinite values \(from .*o_proj.weight_scale_inv") \
             as ei:
         expq.convert(fp8, tmp_path / "out", device="cpu")

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import converted_factory, example
-from safetensors.torch import load_file, save_file
+from helpers import converted_factory, edit_shard_tensors, example
+from safetensors.torch import load_file
 
 import expq
 from expq.errors import ExpqError, SourceError
@@ -18,14 +18,6 @@ from expq.errors import ExpqError, SourceError
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     return converted_factory(tmp_path_factory, "nosrc", max_shard_size="40KB")
-
-
-def _edit(root, name, fn):
-    idx = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
-    f = root / idx[name]
-    t = load_file(f)
-    fn(t)
-    save_file(t, f, metadata={"format": "pt"})
 
 
 def _code_plus_one(t, n):
@@ -44,18 +36,18 @@ def _swap_experts(root, a, b):
     """Swap two experts' packed weights (wherever their shards are)."""
     idx = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
     ta, tb = load_file(root / idx[a])[a], load_file(root / idx[b])[b]
-    _edit(root, a, lambda t: t.__setitem__(a, tb.clone()))
-    _edit(root, b, lambda t: t.__setitem__(b, ta.clone()))
+    edit_shard_tensors(root, a, lambda t: t.__setitem__(a, tb.clone()))
+    edit_shard_tensors(root, b, lambda t: t.__setitem__(b, ta.clone()))
 
 
 M = "model.layers.1.block_sparse_moe.experts"
 CORRUPTIONS = {
-    "code changed by one": lambda r: _edit(r, f"{M}.2.w1.weight_packed", lambda t: _code_plus_one(t, f"{M}.2.w1.weight_packed")),
-    "scale last bit": lambda r: _edit(r, f"{M}.0.w2.weight_scale", lambda t: _scale_last_bit(t, f"{M}.0.w2.weight_scale")),
-    "scale doubled": lambda r: _edit(r, f"{M}.3.w3.weight_scale", lambda t: _scale_doubled(t, f"{M}.3.w3.weight_scale")),
+    "code changed by one": lambda r: edit_shard_tensors(r, f"{M}.2.w1.weight_packed", lambda t: _code_plus_one(t, f"{M}.2.w1.weight_packed")),
+    "scale last bit": lambda r: edit_shard_tensors(r, f"{M}.0.w2.weight_scale", lambda t: _scale_last_bit(t, f"{M}.0.w2.weight_scale")),
+    "scale doubled": lambda r: edit_shard_tensors(r, f"{M}.3.w3.weight_scale", lambda t: _scale_doubled(t, f"{M}.3.w3.weight_scale")),
     "two experts swapped": lambda r: _swap_experts(r, f"{M}.0.w2.weight_packed", f"{M}.1.w2.weight_packed"),
-    "non-expert byte": lambda r: _edit(r, "model.norm.weight", lambda t: t["model.norm.weight"].view(-1)[:1].add_(1)),
-    "missing non-expert tensor": lambda r: _edit(r, "model.norm.weight", lambda t: t.pop("model.norm.weight")),
+    "non-expert byte": lambda r: edit_shard_tensors(r, "model.norm.weight", lambda t: t["model.norm.weight"].view(-1)[:1].add_(1)),
+    "missing non-expert tensor": lambda r: edit_shard_tensors(r, "model.norm.weight", lambda t: t.pop("model.norm.weight")),
     "extra file": lambda r: (r / "model-99999-of-99999.safetensors").write_bytes(b"x"),
 }
 
@@ -84,7 +76,7 @@ def test_load_model_refuses_a_missing_tensor(outputs, tmp_path):
     _, out = outputs("mixtral")
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
-    _edit(bad, "model.norm.weight", lambda t: t.pop("model.norm.weight"))
+    edit_shard_tensors(bad, "model.norm.weight", lambda t: t.pop("model.norm.weight"))
     idx = json.loads((bad / "model.safetensors.index.json").read_text())
     del idx["weight_map"]["model.norm.weight"]
     (bad / "model.safetensors.index.json").write_text(json.dumps(idx))
@@ -95,7 +87,7 @@ def test_load_model_refuses_a_missing_tensor(outputs, tmp_path):
 def test_untied_config_without_lm_head_is_refused_at_convert(tmp_path, tmp_path_factory):
     src = tmp_path / "src"
     shutil.copytree(example(tmp_path_factory, "mixtral"), src)
-    _edit(src, "lm_head.weight", lambda t: t.pop("lm_head.weight"))
+    edit_shard_tensors(src, "lm_head.weight", lambda t: t.pop("lm_head.weight"))
     idx = json.loads((src / "model.safetensors.index.json").read_text())
     del idx["weight_map"]["lm_head.weight"]
     (src / "model.safetensors.index.json").write_text(json.dumps(idx))
