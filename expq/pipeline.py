@@ -13,7 +13,7 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -24,6 +24,33 @@ from .source import TORCH_DTYPES, copy_bytes
 from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
+
+
+class SourceFeeder(Protocol):
+    """Makes the source's files available to the pipeline as it needs them, and takes them back when it is done with
+    them (``--stream``: downloaded a few shards ahead, deleted once converted). Without a feeder every file is
+    already under ``plan.source.root``.
+
+    The pipeline calls ``start`` once, from the thread that runs ``run_plan``, before any read; ``wait`` and ``done``
+    from its worker threads; ``close`` once at the end, whatever happened (also after an error or an interrupt).
+    """
+
+    def start(self, files: list[str]) -> None:
+        """``files`` (paths relative to the source root) are the ones the jobs still to run read, in the order the
+        pipeline will first need them (files of shards an earlier run finished are not listed)."""
+        ...
+
+    def wait(self, file: str) -> None:
+        """Return once ``file`` is complete under the source root (raises an ``ExpqError`` if it cannot be had)."""
+        ...
+
+    def done(self, file: str) -> None:
+        """Every job that reads ``file`` has written its outputs: the file is not read again by this run."""
+        ...
+
+    def close(self) -> None:
+        """The run is over (finished, failed or interrupted): stop any background work."""
+        ...
 
 
 @dataclass
@@ -139,7 +166,7 @@ def _note(n: RowNote) -> list:
 
 def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow_nonfinite: bool = False,
              on_progress: Callable[[int, int], None] | None = None, done_jobs: dict[int, dict] | None = None,
-             stop: threading.Event | None = None) -> RunStats:
+             stop: threading.Event | None = None, feeder: SourceFeeder | None = None) -> RunStats:
     """Execute every job of ``plan`` on ``devices`` (one worker thread each), writing into ``shards``.
 
     A job whose outputs all lie in shards an earlier run finished is skipped (for a quantize job, when its row
@@ -150,6 +177,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             an exception it raises stops the run like any other error.
         done_jobs: row findings of quantize jobs an earlier run finished (job index -> dict).
         stop: when set (an interrupt), workers finish the tensor in hand and stop; ``Interrupted`` is raised.
+        feeder: where the source files come from when they are not all on disk (``SourceFeeder``).
 
     Returns:
         RunStats (``finish``ed).
@@ -168,6 +196,30 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             jobs.put((i, j))
         elif on_progress:
             on_progress(j.source.nbytes_stored, len(shards.closed))
+    todo = []
+    while True:
+        try:
+            todo.append(jobs.get_nowait())
+        except queue.Empty:
+            break
+    readers: dict[str, int] = {}  # source file -> jobs still to run that read it
+    for _, j in todo:
+        for f in {p.file for p in j.source.parts}:
+            readers[f] = readers.get(f, 0) + 1
+        jobs.put((_, j))
+    if feeder is not None:
+        feeder.start(list(readers))
+
+    def job_done(job: Job) -> None:
+        if feeder is None:
+            return
+        for f in {p.file for p in job.source.parts}:
+            with lock:
+                readers[f] -= 1
+                last = readers[f] == 0
+            if last:
+                feeder.done(f)
+
     errors: list[BaseException] = []
     stop = stop or threading.Event()
     failed = threading.Event()
@@ -182,6 +234,9 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                     i, job = jobs.get_nowait()
                 except queue.Empty:
                     break
+                if feeder is not None:
+                    for f in dict.fromkeys(p.file for p in job.source.parts):
+                        feeder.wait(f)
                 if job.kind == "copy":
                     _run_copy(plan, job, shards)
                 elif job.kind == "decode":
@@ -189,6 +244,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
                 else:
                     _run_quantize(plan, i, job, device, shards, stats, allow_nonfinite, lock)
                 count += 1
+                job_done(job)
                 if on_progress:
                     on_progress(job.source.nbytes_stored, len(shards.closed))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -202,9 +258,13 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     threads = [threading.Thread(target=worker, args=(d,), name=f"expq-{d}", daemon=True) for d in devices]
     for t in threads:
         t.start()
-    for t in threads:
-        while t.is_alive():  # a timed join, so that the main thread runs signal handlers promptly
-            t.join(0.1)
+    try:
+        for t in threads:
+            while t.is_alive():  # a timed join, so that the main thread runs signal handlers promptly
+                t.join(0.1)
+    finally:
+        if feeder is not None:
+            feeder.close()
     if errors:
         raise errors[0]
     if stop.is_set():
