@@ -272,7 +272,8 @@ def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonf
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
     outdir.write_text("config.json", config_json(source.config, plan.quantization_config()))
-    files = [FileRecord(name=n, size=(outdir.staging / n).stat().st_size, sha256=sha256_file(outdir.staging / n))
+    files = [FileRecord(name=n, size=(outdir.staging / n).stat().st_size,
+                        sha256=outdir.recorded_sha256(n) or sha256_file(outdir.staging / n))
              for n in outdir.staged_files() if n != MANIFEST]
     man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
                              source_card=_source_card(source), settings=settings, files=files)

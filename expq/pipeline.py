@@ -1,10 +1,20 @@
-"""Executing a plan: source tensors through one or more devices into the output shards, with bounded memory.
+"""Executing a plan: source tensors through one pipeline per device into the output shards, with bounded memory.
 
-Each worker owns one device and takes the next job (one logical source tensor) from a shared queue: a copy job moves
-raw bytes; a decode job writes a quantized non-expert tensor decoded; a quantize job reads (and decodes) the tensor,
-casts it to the compute dtype on its device, quantizes every row of every routed-expert matrix it holds in one
-batch, and writes the tensors the output format returns at their planned offsets. At most one job per worker is in
-memory at a time, whatever the model's size; the output bytes do not depend on which device ran which job.
+Work is handed out by source shard (a *unit*: the jobs whose main tensor lives in that file), largest first, to
+whichever device pipeline is free. A pipeline is three threads joined by bounded queues, so that reading, computing
+and writing overlap:
+
+* **read**: the stored bytes of the next job, one ``readinto`` of each tensor's whole span (into pinned host memory
+  when the device is a GPU); a byte budget (``PIPELINE_BYTES``) caps what is read ahead and not yet written;
+* **compute**: decode (quantized non-expert tensors), or cast to the compute dtype on the device and run the
+  experts_int8 scheme on every row of every routed-expert matrix of the tensor (``scheme.quantize_matrix``: row
+  blocks that stay in cache on a CPU; on a GPU asynchronous copies on the pipeline's own stream and one
+  synchronisation per tensor), then the format's ``encode``; outputs come back to pinned host buffers;
+* **write**: positional writes at the offsets the plan fixed (``copy_file_range`` for copied tensors); the shard
+  hasher follows the written prefix, so a shard is hashed, fsync'd and journaled as soon as its last byte lands.
+
+Within a unit, jobs run in the order their largest outputs lie in the output file, so shards fill front to back.
+The output bytes do not depend on the number of devices, their kind or their order.
 """
 
 from __future__ import annotations
@@ -12,18 +22,24 @@ from __future__ import annotations
 import queue
 import signal
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
 from .errors import Interrupted, NonFiniteError
-from .plan import Job, Plan
+from .plan import Job, OutTensor, Plan
 from .scheme import quantize_matrix
-from .source import TORCH_DTYPES, copy_bytes
+from .source import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
 from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
+PIPELINE_BYTES = 1 << 30
+"""Bytes one device pipeline holds at most: source tensors read ahead plus outputs not yet written (a single tensor
+larger than this goes through alone). Peak memory is about this per device plus the tensor being computed."""
+QUEUE_DEPTH = 2
+"""Jobs waiting between two stages of a pipeline."""
 
 
 class SourceFeeder(Protocol):
@@ -82,6 +98,7 @@ class RunStats:
     nonfinite_examples: list[RowNote] = field(default_factory=list)
     jobs_by_device: dict[str, int] = field(default_factory=dict)
     by_job: dict[int, dict] = field(default_factory=dict)
+    peak_bytes_in_flight: dict[str, int] = field(default_factory=dict)  # device -> most bytes its pipeline held
 
     def finish(self) -> "RunStats":
         """Add up ``by_job`` in job order (deterministic whatever the devices and the resumes)."""
@@ -98,6 +115,223 @@ class RunStats:
         return self
 
 
+@dataclass
+class _Item:
+    """One job on its way through a pipeline: what it holds at each stage."""
+
+    index: int
+    job: Job
+    cost: int  # bytes charged to the pipeline's budget until written
+    parts: dict[TensorInfo, torch.Tensor] | None = None  # stored tensors read (read stage)
+    writes: list[tuple[OutTensor, torch.Tensor]] = field(default_factory=list)  # host tensors to write (compute)
+    rows_found: dict | None = None
+
+
+class _Halt(Exception):
+    """The run is stopping (an interrupt, or another stage failed)."""
+
+
+class _Budget:
+    """Bytes in flight in one pipeline: ``acquire`` blocks while the budget is full (one item always gets in)."""
+
+    def __init__(self, limit: int, halted: Callable[[], bool]):
+        self.limit, self.used, self.peak = limit, 0, 0
+        self.halted = halted
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cond:
+            while self.used and self.used + n > self.limit:
+                if self.halted():
+                    raise _Halt
+                self.cond.wait(0.1)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+class _Run:
+    """What the pipelines of one ``run_plan`` share: the plan, the shards, the unit queue, the stop flags, the
+    findings, and the per-file reader counts for the feeder."""
+
+    def __init__(self, plan: Plan, shards: ShardSet, stats: RunStats, allow_nonfinite: bool, stop: threading.Event,
+                 feeder: SourceFeeder | None, on_progress: Callable[[int, int], None] | None):
+        self.plan, self.shards, self.stats = plan, shards, stats
+        self.allow_nonfinite, self.stop, self.feeder, self.on_progress = allow_nonfinite, stop, feeder, on_progress
+        self.failed = threading.Event()
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+        self.units: queue.SimpleQueue = queue.SimpleQueue()
+        self.readers: dict[str, int] = {}
+
+    def halted(self) -> bool:
+        return self.stop.is_set() or self.failed.is_set()
+
+    def fail(self, e: BaseException) -> None:
+        with self.lock:
+            self.errors.append(e)
+        self.failed.set()
+
+    def put(self, q: queue.Queue, x) -> None:
+        while True:
+            try:
+                return q.put(x, timeout=0.1)
+            except queue.Full:
+                if self.halted():
+                    raise _Halt from None
+
+    def get(self, q: queue.Queue):
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                if self.halted():
+                    raise _Halt from None
+
+    def job_done(self, job: Job) -> None:
+        if self.feeder is None:
+            return
+        for f in {p.file for p in job.source.parts}:
+            with self.lock:
+                self.readers[f] -= 1
+                last = self.readers[f] == 0
+            if last:
+                self.feeder.done(f)
+
+
+_END = object()
+
+
+class _DevicePipeline:
+    """Read, compute and write threads for one device (see the module docstring)."""
+
+    def __init__(self, run: _Run, device: torch.device):
+        self.run, self.device = run, device
+        self.cuda = device.type == "cuda"
+        self.budget = _Budget(PIPELINE_BYTES, run.halted)
+        self.read_q: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self.write_q: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self.count = 0
+        self.stream = None
+        self.threads = [threading.Thread(target=self._stage, args=(fn,), name=f"expq-{fn.__name__[1:]}-{device}",
+                                         daemon=True) for fn in (self._read, self._compute, self._write)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self.threads:
+            while t.is_alive():  # a timed join, so that the main thread runs signal handlers promptly
+                t.join(0.1)
+
+    def _stage(self, fn) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+            fn()
+        except _Halt:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.run.fail(e)
+
+    # --- read ------------------------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        run = self.run
+        while not run.halted():
+            try:
+                unit = run.units.get_nowait()
+            except queue.Empty:
+                break
+            for index, job in unit:
+                item = _Item(index, job, cost=0 if job.kind == "copy" else
+                             job.source.nbytes_stored + sum(o.nbytes for o in job.outputs))
+                self.budget.acquire(item.cost)
+                if run.feeder is not None:
+                    for f in dict.fromkeys(p.file for p in job.source.parts):
+                        run.feeder.wait(f)
+                if run.halted():
+                    raise _Halt
+                if job.kind != "copy":
+                    item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.source.parts}
+                run.put(self.read_q, item)
+        run.put(self.read_q, _END)
+
+    # --- compute ---------------------------------------------------------------------------------------------------
+    def _compute(self) -> None:
+        run = self.run
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+        while (item := run.get(self.read_q)) is not _END:
+            job = item.job
+            if job.kind == "decode":
+                item.writes = [(job.outputs[0], self._logical(item))]
+                _check_decoded(job, item.writes[0][1], run.allow_nonfinite)
+            elif job.kind == "quantize":
+                with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+                    self._quantize(item)
+            item.parts = None
+            run.put(self.write_q, item)
+        run.put(self.write_q, _END)
+
+    def _logical(self, item: _Item) -> torch.Tensor:
+        src = item.job.source
+        if not src.decoded:
+            return item.parts[src.stored]
+        return self.run.plan.source.decoder.decode(src, item.parts.__getitem__)
+
+    def _quantize(self, item: _Item) -> None:
+        plan, job = self.run.plan, item.job
+        et = job.expert
+        t = self._logical(item)
+        w = et.to_rows(t.to(self.device, non_blocking=True).to(plan.compute_dtype)).contiguous()
+        del t
+        codes, scales, rep = quantize_matrix(w)
+        del w
+        item.rows_found = _rows_found(job, rep, plan, self.run.allow_nonfinite)
+        encoded = plan.format.encode(codes, scales, et.matrices)
+        del codes
+        for group, tensors in zip(job.groups, encoded):
+            outs = [o for o in group if o.value is None]
+            if [s.name for s, _ in tensors] != [o.name for o in outs]:
+                raise RuntimeError(f"internal: the format returned {[s.name for s, _ in tensors]} where the plan "
+                                   f"has {[o.name for o in outs]}")
+            item.writes += [(o, self._to_host(x)) for o, (_, x) in zip(outs, tensors)]
+        if self.cuda:
+            self.stream.synchronize()  # the copies back to the host are done
+
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return x
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        return host
+
+    # --- write -----------------------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        run = self.run
+        while (item := run.get(self.write_q)) is not _END:
+            job = item.job
+            if job.kind == "copy":
+                _run_copy(run.plan, job, run.shards)
+            else:
+                for out, x in item.writes:
+                    run.shards.write(out, x)
+            item.writes = []
+            if item.rows_found is not None:
+                with run.lock:
+                    run.stats.by_job[item.index] = item.rows_found
+            self.budget.release(item.cost)
+            self.count += 1
+            run.job_done(job)
+            if run.on_progress:
+                run.on_progress(job.source.nbytes_stored, len(run.shards.closed))
+
+
 def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
     out = job.outputs[0]
     t = shards.target(out)
@@ -112,25 +346,18 @@ def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
     shards.done(out)
 
 
-def _run_decode(plan: Plan, job: Job, shards: ShardSet, allow_nonfinite: bool) -> None:
-    t = plan.source.read_logical(job.source)
+def _check_decoded(job: Job, t: torch.Tensor, allow_nonfinite: bool) -> None:
     if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         parts = ", ".join(p.name for p in job.source.parts[1:]) or "its stored values"
         raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
                              file=job.source.file, tensor=job.source.name,
                              hint="pass --allow-nonfinite to write it anyway")
-    shards.write(job.outputs[0], t)
 
 
-def _run_quantize(plan: Plan, index: int, job: Job, device: torch.device, shards: ShardSet, stats: RunStats,
-                  allow_nonfinite: bool, lock: threading.Lock) -> None:
+def _rows_found(job: Job, rep, plan: Plan, allow_nonfinite: bool) -> dict:
+    """The job's row findings (JSON-ready); raises NonFiniteError for a NaN/inf row unless allowed."""
     src, et = job.source, job.expert
-    t = plan.source.read_logical(src)
-    w = et.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
-    del t
-    codes, scales, rep = quantize_matrix(w)
-    del w
     rows = et.rows_per_matrix
 
     def note(r: int) -> RowNote:
@@ -145,130 +372,99 @@ def _run_quantize(plan: Plan, index: int, job: Job, device: torch.device, shards
                              f"in this tensor, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
                              file=src.file, tensor=src.name, expert=n.expert, row=n.row,
                              hint="pass --allow-nonfinite to reproduce vLLM anyway")
-    rows_found = {"zero": len(rep.zero_rows), "underflow": len(rep.underflow_rows),
-                  "nonfinite": len(rep.nonfinite_rows),
-                  "underflow_examples": [_note(note(r)) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
-                  "nonfinite_examples": [_note(note(r)) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
-    encoded = plan.format.encode(codes, scales, et.matrices)
-    del codes
-    for group, tensors in zip(job.groups, encoded):
-        for out, (spec, tensor) in zip(group, tensors):
-            if spec.name != out.name:
-                raise RuntimeError(f"internal: the format returned {spec.name} where the plan has {out.name}")
-            shards.write(out, tensor)
-    with lock:
-        stats.by_job[index] = rows_found
+    return {"zero": len(rep.zero_rows), "underflow": len(rep.underflow_rows), "nonfinite": len(rep.nonfinite_rows),
+            "underflow_examples": [_note(note(r)) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
+            "nonfinite_examples": [_note(note(r)) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
 
 
 def _note(n: RowNote) -> list:
     return [n.tensor, n.layer, n.expert, n.proj, n.row]
 
 
+def _write_order(job_item: tuple[int, Job]) -> tuple:
+    """Jobs of a unit in the order their largest outputs lie in the output file (shard, then the plan's layout:
+    wider dtypes first, then production order), so that shards fill front to back."""
+    i, job = job_item
+    big = max(job.outputs, key=lambda o: o.nbytes)
+    return big.shard, -max(1, DTYPE_BITS[big.dtype] // 8), i
+
+
+def make_units(plan: Plan, todo: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
+    """The jobs still to run, cut into units of work: one per source shard (the file of each job's main tensor),
+    the largest first (ties in file order), each in write order.
+
+    Args:
+        todo: (job index, job) pairs, in plan order.
+    """
+    by_file: dict[str, list[tuple[int, Job]]] = {}
+    for ij in todo:
+        by_file.setdefault(ij[1].source.file, []).append(ij)
+    units = [sorted(u, key=_write_order) for u in by_file.values()]
+    return sorted(units, key=lambda u: -sum(j.source.nbytes_stored for _, j in u))
+
+
 def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow_nonfinite: bool = False,
              on_progress: Callable[[int, int], None] | None = None, done_jobs: dict[int, dict] | None = None,
              stop: threading.Event | None = None, feeder: SourceFeeder | None = None) -> RunStats:
-    """Execute every job of ``plan`` on ``devices`` (one worker thread each), writing into ``shards``.
+    """Execute every job of ``plan`` through one pipeline per device in ``devices``, writing into ``shards``.
 
     A job whose outputs all lie in shards an earlier run finished is skipped (for a quantize job, when its row
     findings are in ``done_jobs``, from the journal).
 
     Args:
-        on_progress: called (from worker threads) after each job with (source bytes it consumed, shards finished);
-            an exception it raises stops the run like any other error.
+        devices: one pipeline each (the same device may be listed twice: two pipelines).
+        on_progress: called (from the write threads) after each job with (source bytes it consumed, shards
+            finished); an exception it raises stops the run like any other error.
         done_jobs: row findings of quantize jobs an earlier run finished (job index -> dict).
-        stop: when set (an interrupt), workers finish the tensor in hand and stop; ``Interrupted`` is raised.
+        stop: when set (an interrupt), pipelines finish the tensor in hand and stop; ``Interrupted`` is raised.
         feeder: where the source files come from when they are not all on disk (``SourceFeeder``).
 
     Returns:
-        RunStats (``finish``ed).
+        RunStats (``finish``ed), with the jobs each device ran and the most bytes its pipeline held.
 
     Raises:
         NonFiniteError: a routed-expert row holds NaN/inf (unless ``allow_nonfinite``).
-        ExpqError: any source read or output write error; the first error stops every worker.
+        ExpqError: any source read or output write error; the first error stops every pipeline.
         Interrupted: ``stop`` was set.
     """
     stats = RunStats(by_job=dict(done_jobs or {}))
     shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
-    lock = threading.Lock()
-    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    run = _Run(plan, shards, stats, allow_nonfinite, stop or threading.Event(), feeder, on_progress)
+    todo = []
     for i, j in enumerate(plan.jobs):
         if shards.needed(j.outputs) or (j.kind == "quantize" and i not in stats.by_job):
-            jobs.put((i, j))
+            todo.append((i, j))
         elif on_progress:
             on_progress(j.source.nbytes_stored, len(shards.closed))
-    todo = []
-    while True:
-        try:
-            todo.append(jobs.get_nowait())
-        except queue.Empty:
-            break
-    readers: dict[str, int] = {}  # source file -> jobs still to run that read it
-    for _, j in todo:
-        for f in {p.file for p in j.source.parts}:
-            readers[f] = readers.get(f, 0) + 1
-        jobs.put((_, j))
-    if feeder is not None:
-        feeder.start(list(readers))
-
-    def job_done(job: Job) -> None:
-        if feeder is None:
-            return
-        for f in {p.file for p in job.source.parts}:
-            with lock:
-                readers[f] -= 1
-                last = readers[f] == 0
-            if last:
-                feeder.done(f)
-
-    errors: list[BaseException] = []
-    stop = stop or threading.Event()
-    failed = threading.Event()
-
-    def worker(device: torch.device) -> None:
-        count = 0
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            while not (stop.is_set() or failed.is_set()):
-                try:
-                    i, job = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if feeder is not None:
-                    for f in dict.fromkeys(p.file for p in job.source.parts):
-                        feeder.wait(f)
-                if job.kind == "copy":
-                    _run_copy(plan, job, shards)
-                elif job.kind == "decode":
-                    _run_decode(plan, job, shards, allow_nonfinite)
-                else:
-                    _run_quantize(plan, i, job, device, shards, stats, allow_nonfinite, lock)
-                count += 1
-                job_done(job)
-                if on_progress:
-                    on_progress(job.source.nbytes_stored, len(shards.closed))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            with lock:
-                errors.append(e)
-            failed.set()
-        finally:
-            with lock:
-                stats.jobs_by_device[str(device)] = stats.jobs_by_device.get(str(device), 0) + count
-
-    threads = [threading.Thread(target=worker, args=(d,), name=f"expq-{d}", daemon=True) for d in devices]
-    for t in threads:
-        t.start()
+    units = make_units(plan, todo)
+    for u in units:
+        run.units.put(u)
+        for _, j in u:
+            for f in dict.fromkeys(p.file for p in j.source.parts):
+                run.readers[f] = run.readers.get(f, 0) + 1
+    pipes = [_DevicePipeline(run, d) for d in devices]
     try:
-        for t in threads:
-            while t.is_alive():  # a timed join, so that the main thread runs signal handlers promptly
-                t.join(0.1)
+        if feeder is not None:
+            feeder.start(list(run.readers))
+        for p in pipes:
+            p.start()
+        for p in pipes:
+            p.join()
+        if not run.errors and not run.stop.is_set():
+            shards.wait_closed(run.stop)
+            if on_progress:
+                on_progress(0, len(shards.closed))
     finally:
         if feeder is not None:
             feeder.close()
-    if errors:
-        raise errors[0]
-    if stop.is_set():
-        raise Interrupted(getattr(stop, "signum", signal.SIGINT))
+    for p in pipes:
+        key = str(p.device)
+        stats.jobs_by_device[key] = stats.jobs_by_device.get(key, 0) + p.count
+        stats.peak_bytes_in_flight[key] = max(stats.peak_bytes_in_flight.get(key, 0), p.budget.peak)
+    if run.errors:
+        raise run.errors[0]
+    if run.stop.is_set():
+        raise Interrupted(getattr(run.stop, "signum", signal.SIGINT))
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
     return stats.finish()

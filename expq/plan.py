@@ -29,7 +29,8 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 
 @dataclass
 class OutTensor:
-    """An output tensor: name, dtype, shape; where it goes (``shard`` index, ``offset`` in that file's data area)."""
+    """An output tensor: name, dtype, shape; where it goes (``shard`` index, ``offset`` in that file's data area);
+    ``value``: its bytes when the format knows them at plan time (written when the shard is opened)."""
 
     name: str
     dtype: str  # safetensors dtype string
@@ -37,6 +38,7 @@ class OutTensor:
     nbytes: int
     shard: int = -1
     offset: int = -1
+    value: bytes | None = None
 
 
 @dataclass
@@ -280,7 +282,8 @@ def _build_jobs(source: Source, experts: ExpertMap, fmt: Format) -> list[Job]:
             out = OutTensor(t.name, t.dtype, t.shape, _nbytes(t.dtype, t.shape))
             jobs.append(Job("decode" if t.decoded else "copy", t, [[out]]))
             continue
-        groups = [[OutTensor(s.name, s.dtype, s.shape, _nbytes(s.dtype, s.shape)) for s in fmt.tensor_specs(m)]
+        groups = [[OutTensor(s.name, s.dtype, s.shape, _nbytes(s.dtype, s.shape), value=s.value)
+                   for s in fmt.tensor_specs(m)]
                   for m in et.matrices]
         jobs.append(Job("quantize", t, groups, et))
     return jobs

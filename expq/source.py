@@ -524,8 +524,11 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
 
 
-def read_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
-    """Read one tensor from its file (one ``pread``; nothing else of the shard is loaded).
+def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:
+    """Read one tensor from its file: one ``readinto`` of its whole byte span (nothing else of the shard is loaded).
+
+    Args:
+        pinned: read into page-locked host memory (for asynchronous copies to a GPU).
 
     Returns:
         a CPU tensor of ``info.shape`` in the matching torch dtype.
@@ -536,15 +539,18 @@ def read_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
     dt = TORCH_DTYPES.get(info.dtype)
     if dt is None:
         raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
-    buf = bytearray(info.nbytes)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pinned)
+    view, got = memoryview(buf.numpy()), 0
     with open(src_root / info.file, "rb", buffering=0) as f:
-        got = f.readinto(memoryview(buf)) if f.seek(info.start) == info.start else 0
+        if f.seek(info.start) == info.start:
+            while got < info.nbytes and (n := f.readinto(view[got:])):  # one syscall reads at most ~2 GiB
+                got += n
     if got != info.nbytes:
         raise SourceError(f"short read ({got} of {info.nbytes} bytes): file changed or truncated",
                           file=str(src_root / info.file), tensor=info.name)
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dt)
-    return torch.frombuffer(buf, dtype=dt).view(info.shape)
+    return buf.view(dt).view(info.shape)
 
 
 def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:

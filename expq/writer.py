@@ -34,8 +34,10 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import heapq
 import json
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -316,15 +318,21 @@ class OutputDir:
         for p in (self.journal_path, self.journal_path.with_name(self.journal_path.name + ".tmp")):
             p.unlink(missing_ok=True)
 
-    def record(self, name: str, jobs: dict | None = None) -> None:
+    def record(self, name: str, jobs: dict | None = None, sha256: str | None = None) -> None:
         """A staged file is complete and fsync'd: record its size and sha256 (a re-run keeps it), and the row
-        findings of the jobs finished so far (``jobs``: job index -> dict)."""
+        findings of the jobs finished so far (``jobs``: job index -> dict). ``sha256``: the file's hash when the
+        caller computed it as it wrote the file (else it is read back here)."""
         p = self.staging / name
-        rec = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        rec = {"size": p.stat().st_size, "sha256": sha256 or sha256_file(p)}
         with self._journal_lock:
             j = self._journal
             merged = {**j.get("jobs", {}), **{str(k): v for k, v in (jobs or {}).items()}}
             self._write_journal(j, files={**j["files"], name: rec}, jobs=merged)
+
+    def recorded_sha256(self, name: str) -> str | None:
+        """The sha256 the journal holds for a finished staged file (None if it is not recorded)."""
+        rec = self._journal.get("files", {}).get(name)
+        return rec["sha256"] if rec else None
 
     @property
     def done_jobs(self) -> dict[int, dict]:
@@ -455,10 +463,41 @@ def _bytes_of(data) -> memoryview:
     return memoryview(data).cast("B")
 
 
-class ShardSet:
-    """The output shards of a plan, opened on first write and closed (fsync'd) once all their tensors are written.
+HASH_CHUNK = 16 << 20  # bytes read back per step by the shard hasher
 
-    ``write`` is thread-safe: workers on several devices write their tensors at their planned offsets.
+
+class _ShardHash:
+    """The sha256 of one output shard, computed while it is written: it follows the contiguous written prefix,
+    reading the bytes back (from the page cache, just written) in large chunks, so that when the last tensor
+    lands only the tail is left to hash."""
+
+    def __init__(self, fd: int, header: bytes, size: int):
+        self.fd = fd
+        self.h = hashlib.sha256(header)
+        self.pos = len(header)
+        self.size = size  # the whole file: header + data
+        self.ready: list[tuple[int, int]] = []  # heap of written (start, end) byte ranges past ``pos``
+
+    def advance(self) -> bool:
+        """Hash what became contiguous; True once the whole file is hashed."""
+        while self.ready and self.ready[0][0] <= self.pos:
+            _, end = heapq.heappop(self.ready)
+            while self.pos < end:
+                chunk = os.pread(self.fd, min(HASH_CHUNK, end - self.pos), self.pos)
+                if not chunk:
+                    raise OSError(errno.EIO, "short read back of a shard being written")
+                self.h.update(chunk)
+                self.pos += len(chunk)
+        return self.pos >= self.size
+
+
+class ShardSet:
+    """The output shards of a plan, opened on first write and closed once all their tensors are written: the last
+    byte hashed (sha256, computed as the shard fills by a hasher thread), fsync'd, then recorded in the journal.
+
+    ``write`` / ``done`` are thread-safe: pipelines on several devices write their tensors at their planned
+    offsets, in any order (the hash is the same; it is cheapest when a shard is written front to back).
+    Tensors whose value the plan knows (``OutTensor.value``) are written when their shard is opened.
     """
 
     def __init__(self, plan: Plan, outdir: OutputDir, fsync: bool = True):
@@ -469,8 +508,12 @@ class ShardSet:
         for o in plan.outputs:
             self._members[o.shard].append(o)
         self._fds: dict[int, tuple[int, int]] = {}  # shard -> (fd, data start)
+        self._hashes: dict[int, _ShardHash] = {}
         self._left = [len(m) for m in self._members]
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (shard, start, end) for the hasher; None: stop
+        self._hasher: threading.Thread | None = None
+        self.error: BaseException | None = None  # what stopped the hasher (a failed read back, fsync or journal)
         self.closed: list[int] = []
         self.on_close = dict  # returns the row findings of finished jobs, for the journal (run_plan sets it)
         self.kept = [k for k, n in enumerate(plan.shard_names) if n in outdir.kept]  # finished by an earlier run
@@ -486,17 +529,34 @@ class ShardSet:
         header = safetensors_header(self._members[k])
         path = self.outdir.path(self.plan.shard_names[k])
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.pwrite(fd, header, 0)
             os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
+            for o in self._members[k]:
+                if o.value is not None:
+                    os.pwrite(fd, o.value, len(header) + o.offset)
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=str(path)) from None
+        self._hashes[k] = _ShardHash(fd, header, len(header) + self.plan.shard_sizes[k])
+        if self._hasher is None:
+            self._hasher = threading.Thread(target=self._hash_loop, name="expq-hasher", daemon=True)
+            self._hasher.start()
+        for o in self._members[k]:
+            if o.value is not None:
+                self._left[k] -= 1
+                self._events.put((k, len(header) + o.offset, len(header) + o.offset + o.nbytes))
         return fd, len(header)
 
     def target(self, out: OutTensor) -> tuple[int, int] | None:
         """(fd, absolute offset) where ``out``'s bytes go (opens the shard if needed), or None for a shard an
-        earlier run finished."""
+        earlier run finished.
+
+        Raises:
+            OutputError: opening the shard failed, or the hasher stopped on an error (re-raised here).
+        """
         with self._lock:
+            if self.error is not None:
+                raise self.error
             if out.shard in self.kept:
                 return None
             if out.shard not in self._fds:
@@ -528,27 +588,68 @@ class ShardSet:
         self.done(out)
 
     def done(self, out: OutTensor) -> None:
-        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly). The last
-        tensor of a shard closes it: fsync, then the journal records its size and sha256."""
+        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly). Once the
+        last tensor of a shard is written and the shard hashed, the hasher fsyncs it and the journal records its
+        size and sha256."""
         with self._lock:
             if out.shard in self.kept:
                 return
             self._left[out.shard] -= 1
-            if self._left[out.shard] != 0:
-                return
-            fd, _ = self._fds.pop(out.shard)
+            base = self._fds[out.shard][1]
+        self._events.put((out.shard, base + out.offset, base + out.offset + out.nbytes))
+
+    def _hash_loop(self) -> None:
+        k = -1
+        try:
+            while (ev := self._events.get()) is not None:
+                k, start, end = ev
+                hs = self._hashes[k]
+                heapq.heappush(hs.ready, (start, end))
+                if hs.advance():
+                    self._close(k, hs)
+        except BaseException as e:  # noqa: BLE001 - handed to the writers and to wait_closed
+            with self._lock:
+                self.error = e if isinstance(e, ExpqError) else OutputError(
+                    f"cannot finish the shard: {getattr(e, 'strerror', None) or e}",
+                    file=self.plan.shard_names[k] if k >= 0 else None)
+                self._lock.notify_all()
+
+    def _close(self, k: int, hs: _ShardHash) -> None:
+        with self._lock:
+            fd, _ = self._fds.pop(k)
         try:
             if self.fsync:
                 _faults.hit("fsync")
                 os.fsync(fd)
         finally:
             os.close(fd)
-        self.outdir.record(self.plan.shard_names[out.shard], jobs=self.on_close())
+        name = self.plan.shard_names[k]
+        self.outdir.record(name, jobs=self.on_close(), sha256=hs.h.hexdigest())
         with self._lock:
-            self.closed.append(out.shard)
+            self.closed.append(k)
+            self._lock.notify_all()
+
+    def wait_closed(self, stop: threading.Event | None = None) -> None:
+        """Block until every shard is closed (hashed, fsync'd, recorded), or ``stop`` is set.
+
+        Raises:
+            OutputError (or the ExpqError that stopped the hasher).
+        """
+        with self._lock:
+            while len(self.closed) < len(self.plan.shard_names) and self.error is None:
+                if stop is not None and stop.is_set():
+                    return
+                self._lock.wait(0.1)
+            if self.error is not None:
+                raise self.error
 
     def close_all(self) -> None:
-        """Close and remove every shard not finished (after an error or an interrupt): a re-run redoes them."""
+        """Stop the hasher, close and remove every shard not finished (after an error or an interrupt): a re-run
+        redoes them."""
+        if self._hasher is not None:
+            self._events.put(None)
+            self._hasher.join()
+            self._hasher = None
         with self._lock:
             for k, (fd, _) in self._fds.items():
                 os.close(fd)
@@ -556,7 +657,8 @@ class ShardSet:
             self._fds.clear()
 
     def complete(self) -> bool:
-        return all(n == 0 for n in self._left)
+        """Every shard written and closed."""
+        return all(n == 0 for n in self._left) and len(self.closed) == len(self.plan.shard_names)
 
 
 def index_json(plan: Plan) -> str:

@@ -250,3 +250,47 @@ def test_several_workers_write_the_same_bytes(tmp_path, tmp_path_factory, conver
     for name in plan.shard_names:
         assert (outdir.staging / name).read_bytes() == (out / name).read_bytes(), name
     outdir.discard()
+
+
+@pytest.mark.parametrize("budget_jobs", [0, 3])
+def test_pipeline_memory_is_bounded_by_its_budget(tmp_path, converted, monkeypatch, budget_jobs):
+    """A pipeline never holds more than its byte budget (source tensors read ahead + outputs not yet written), or a
+    single job when one job is larger than the budget; the output does not depend on the budget."""
+    from expq import pipeline
+    from expq.plan import make_plan
+    from expq.source import open_source
+    from expq.writer import OutputDir, ShardSet
+
+    src, out, _ = converted("mixtral")
+    plan = make_plan(open_source(src), max_shard_size=SHARD)
+    costs = [j.source.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in plan.jobs if j.kind != "copy"]
+    budget = budget_jobs * max(costs)
+    monkeypatch.setattr(pipeline, "PIPELINE_BYTES", budget)
+    outdir = OutputDir(tmp_path / "o", fingerprint={"test": "budget"}, src_root=src)
+    outdir.start()
+    shards = ShardSet(plan, outdir)
+    stats = pipeline.run_plan(plan, shards, [torch.device("cpu")])
+    peak = stats.peak_bytes_in_flight["cpu"]
+    assert max(costs) <= peak <= max(budget, max(costs))
+    for name in plan.shard_names:
+        assert (outdir.staging / name).read_bytes() == (out / name).read_bytes(), name
+    outdir.discard()
+
+
+def test_units_are_source_shards_largest_first_in_write_order(converted):
+    """Work is handed out per source shard, the largest first; within a shard, jobs run in the order their largest
+    outputs lie in the output file (so a shard fills front to back and its hash follows the writes)."""
+    from expq.pipeline import make_units
+    from expq.plan import make_plan
+    from expq.source import open_source
+
+    src, _, _ = converted("mixtral")
+    plan = make_plan(open_source(src), max_shard_size=SHARD)
+    units = make_units(plan, list(enumerate(plan.jobs)))
+    sizes = [sum(j.source.nbytes_stored for _, j in u) for u in units]
+    assert sizes == sorted(sizes, reverse=True) and len(units) == len({j.source.file for j in plan.jobs}) > 1
+    assert sorted(i for u in units for i, _ in u) == list(range(len(plan.jobs)))
+    for u in units:
+        assert len({j.source.file for _, j in u}) == 1
+        places = [(o.shard, o.offset) for _, j in u for o in [max(j.outputs, key=lambda o: o.nbytes)]]
+        assert places == sorted(places)

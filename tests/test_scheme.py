@@ -148,28 +148,88 @@ def test_compute_dtype_rejects():
         scheme.resolve_compute_dtype("float8_e4m3fn", "auto")
 
 
-def test_packing_in_row_blocks_equals_the_library_on_the_whole():
-    """Large matrices are packed and unpacked in row blocks on a CPU: the words equal one library call, and the
-    format returns complete tensors per matrix (a batch of two matrices here)."""
+@pytest.mark.parametrize("cols", [1001, 1024, 3, 4])
+def test_packing_equals_the_library_word_for_word(cols):
+    """expq writes the words as byte views of the codes (``pack_codes``); they equal compressed-tensors'
+    ``pack_to_int32`` exactly, with and without a padded last word, and the format returns complete tensors per
+    matrix (a batch of two matrices here; weight_shape is a plan-time value), which the library unpacks back."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     from expq.experts import Matrix
-    from expq.formats.compressed_tensors import PACK_BLOCK, CompressedTensorsFormat
+    from expq.formats.compressed_tensors import CompressedTensorsFormat, pack_codes
 
     fmt = CompressedTensorsFormat(None, torch.bfloat16)  # encode/decode need no expert map
-    codes = torch.randint(-127, 128, (1100, 1001), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-    assert codes.numel() > PACK_BLOCK
-    scales = torch.rand(1100, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    mats = [Matrix(0, 0, "gate", "m.a", 700, 1001), Matrix(0, 0, "up", "m.b", 400, 1001)]
-    (a, b) = fmt.encode(codes, scales, mats)
-    tensors = {spec.name: t for spec, t in a + b}
-    assert [spec.name for spec, _ in a] == ["m.a.weight_packed", "m.a.weight_scale", "m.a.weight_shape"]
+    codes = torch.randint(-127, 128, (1100, cols), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    codes[0, :] = -127
+    codes[1, :] = 127
     whole = pack_to_int32(codes, 8)
+    assert torch.equal(pack_codes(codes.clone()), whole)
+    scales = torch.rand(1100, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    mats = [Matrix(0, 0, "gate", "m.a", 700, cols), Matrix(0, 0, "up", "m.b", 400, cols)]
+    specs = fmt.tensor_specs(mats[0])
+    assert [(s.name, s.value) for s in specs] == [("m.a.weight_packed", None), ("m.a.weight_scale", None),
+                                                   ("m.a.weight_shape", torch.tensor([700, cols]).numpy().tobytes())]
+    (a, b) = fmt.encode(codes.clone(), scales, mats)
+    tensors = {spec.name: t for spec, t in a + b}
+    assert [spec.name for spec, _ in a] == ["m.a.weight_packed", "m.a.weight_scale"]
     assert torch.equal(tensors["m.a.weight_packed"], whole[:700]) and torch.equal(tensors["m.b.weight_packed"], whole[700:])
-    assert tensors["m.b.weight_shape"].tolist() == [400, 1001] and tensors["m.a.weight_scale"].shape == (700, 1)
+    assert tensors["m.a.weight_scale"].shape == (700, 1)
     for (spec, t) in a + b:
-        assert (t.dtype, tuple(t.shape)) == ({"I32": torch.int32, "BF16": torch.bfloat16, "I64": torch.int64}
-                                             [spec.dtype], spec.shape)
+        assert (t.dtype, tuple(t.shape)) == ({"I32": torch.int32, "BF16": torch.bfloat16}[spec.dtype], spec.shape)
+    tensors["m.a.weight_shape"] = torch.frombuffer(bytearray(specs[2].value), dtype=torch.int64)
     back, s = fmt.decode("m.a", tensors.__getitem__)
     assert torch.equal(back, codes[:700]) and torch.equal(s, scales[:700])
-    assert torch.equal(back, unpack_from_int32(whole[:700], 8, torch.Size([700, 1001])))
+    assert torch.equal(back, unpack_from_int32(whole[:700], 8, torch.Size([700, cols])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 1, 7 * 96, 10**9])
+def test_quantize_matrix_in_row_blocks_is_bit_identical(dtype, block):
+    """``quantize_matrix`` (row blocks on a CPU) equals the reference on the whole matrix, bit for bit, whatever the
+    block size, including zero, -0.0, NaN, +-inf and underflowing rows (NaN scales stored canonical)."""
+    w = torch.cat([adversarial_rows(dtype), random_rows(dtype, rows=300, cols=96, low=-8)])
+    w[3] = 0
+    w[5] = -0.0
+    w[7, 3] = float("nan")
+    w[9, 1] = float("inf")
+    w[11, :] = float("-inf")
+    w[13, 2] = -float("nan")
+    codes, scales, rep = scheme.quantize_matrix(w, block)
+    ref_c, ref_s = seed_reference(w, cuda_scalar_rule=True)
+    ok = torch.isfinite(w).all(dim=1) & (w.abs().amax(dim=1) > 0)  # the seed's cast of NaN (0/0) is undefined
+    assert torch.equal(codes[ok], ref_c[ok]) and torch.equal(scales[ok], ref_s[ok])
+    assert torch.equal(codes[3], torch.zeros_like(codes[3])) and torch.equal(codes[5], codes[3])
+    assert torch.equal(codes[~ok], torch.zeros_like(codes[~ok]))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan_bits = scales[torch.isnan(scales)].view(bits).unique().tolist()
+    assert nan_bits == [{torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}[dtype]]
+    assert rep.nonfinite_rows == [7, 9, 11, 13] and {3, 5} <= set(rep.zero_rows)
+    assert scales[5].view(bits).item() == 0  # +0.0, as amax(|w|) gives
+
+
+def test_quantization_config_is_what_compressed_tensors_dumps(tmp_path_factory):
+    """The format writes its quantization_config literally (the library's import costs seconds); it must equal what
+    compressed-tensors' own classes dump for the same scheme, targets and ignore list, key for key."""
+    import json
+
+    import compressed_tensors
+    from compressed_tensors.base import (COMPRESSION_VERSION_NAME, QUANTIZATION_METHOD, QUANTIZATION_METHOD_NAME,
+                                         SPARSITY_CONFIG_NAME, TRANSFORM_CONFIG_NAME)
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from helpers import example
+
+    from expq.plan import make_plan
+    from expq.source import open_source
+
+    plan = make_plan(open_source(example(tmp_path_factory, "mixtral")))
+    fmt = plan.format
+    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=-1,
+                               dynamic=False)
+    scheme_ = QuantizationScheme(targets=fmt.targets(), weights=weights, format="pack-quantized")
+    qc = QuantizationConfig(config_groups={"group_0": scheme_}, format="pack-quantized",
+                            quantization_status="compressed", ignore=fmt.ignore(plan.source.logical))
+    library = {COMPRESSION_VERSION_NAME: compressed_tensors.__version__, QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
+               SPARSITY_CONFIG_NAME: {}, TRANSFORM_CONFIG_NAME: {},
+               **qc.model_dump(mode="json", exclude={"quant_method"})}
+    ours = plan.quantization_config()
+    assert json.dumps(ours, sort_keys=True) == json.dumps(library, sort_keys=True)

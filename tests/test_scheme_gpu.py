@@ -24,9 +24,26 @@ def test_cpu_and_cuda_equal_seed_on_cuda(dtype, kind):
     ref_codes, ref_scales = seed_reference(w.cuda())  # the literal function, on CUDA: the target
     ref_codes, ref_scales = ref_codes.cpu(), ref_scales.cpu()
     for dev in ("cpu", "cuda"):
-        codes, scales = scheme.quantize_rows(w.to(dev))
-        assert torch.equal(codes.cpu(), ref_codes), f"{dev} {dtype}: {(codes.cpu() != ref_codes).sum()} codes differ"
-        assert torch.equal(scales.cpu(), ref_scales), f"{dev} {dtype}: {(scales.cpu() != ref_scales).sum()} scales"
+        for fn in (scheme.quantize_rows, lambda x: scheme.quantize_matrix(x)[:2]):  # whole / row blocks on a CPU
+            codes, scales = fn(w.to(dev))
+            assert torch.equal(codes.cpu(), ref_codes), f"{dev} {dtype}: {(codes.cpu() != ref_codes).sum()} codes"
+            assert torch.equal(scales.cpu(), ref_scales), f"{dev} {dtype}: {(scales.cpu() != ref_scales).sum()} scales"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_special_rows_same_bits_on_cpu_and_cuda(dtype):
+    """Zero, -0.0, NaN, +-inf and underflowing rows: codes, scales (NaN canonical) and the row report are the same
+    on both devices, so an --allow-nonfinite conversion does not depend on the device either."""
+    w = random_rows(dtype, rows=64, cols=96, low=-8)
+    w[3] = 0
+    w[5] = -0.0
+    w[7, 3] = float("nan")
+    w[9, 1] = float("inf")
+    w[11, :] = float("-inf")
+    w[13, 2] = -float("nan")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    (c0, s0, r0), (c1, s1, r1) = (scheme.quantize_matrix(w.to(d)) for d in ("cpu", "cuda"))
+    assert torch.equal(c0, c1.cpu()) and torch.equal(s0.view(bits), s1.cpu().view(bits)) and r0 == r1
 
 
 def test_cuda_scalar_division_is_a_multiplication():
@@ -44,6 +61,21 @@ def test_convert_on_gpu_equals_cpu(family, tmp_path, tmp_path_factory):
     expq.convert(src, tmp_path / "cpu", device="cpu", max_shard_size="40KB")
     expq.convert(src, tmp_path / "gpu", device="cuda", max_shard_size="40KB")
     assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "gpu")
+    from expq.pipeline import run_plan
+    from expq.plan import make_plan
+    from expq.source import open_source
+    from expq.writer import OutputDir, ShardSet
+
+    for devs in ([torch.device("cuda:0"), torch.device("cpu")], [torch.device("cuda:0")] * 2):
+        plan = make_plan(open_source(src), max_shard_size="40KB")  # mixed devices; two pipelines on one GPU
+        outdir = OutputDir(tmp_path / "mixed", fingerprint={"test": str(devs)}, src_root=src)
+        outdir.start()
+        shards = ShardSet(plan, outdir)
+        stats = run_plan(plan, shards, devs)
+        assert sum(stats.jobs_by_device.values()) == len(plan.jobs)
+        for name in plan.shard_names:
+            assert (outdir.staging / name).read_bytes() == (tmp_path / "cpu" / name).read_bytes(), (devs, name)
+        outdir.discard()
     if torch.cuda.device_count() > 1:
         devs = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
         expq.convert(src, tmp_path / "multi", device=devs, max_shard_size="40KB")

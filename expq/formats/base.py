@@ -20,11 +20,14 @@ from ..experts import ExpertMap, Matrix, TensorLike
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One output tensor: its name, safetensors dtype string and shape."""
+    """One output tensor: its name, safetensors dtype string and shape; ``value``: its bytes, when the format knows
+    them before any weight is read (e.g. a stored shape). Such a tensor is written when its shard is opened and is
+    not among what ``encode`` returns."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    value: bytes | None = None
 
 
 ReadByName = Callable[[str], torch.Tensor]
@@ -52,8 +55,9 @@ class Format(Protocol):
             matrices: the matrices, in row order.
 
         Returns:
-            per matrix, ``[(spec, tensor), ...]`` in ``tensor_specs`` order: CPU tensors of exactly the spec's dtype
-            and shape, ready to be written.
+            per matrix, ``[(spec, tensor), ...]`` in ``tensor_specs`` order, the specs with a ``value`` left out:
+            tensors of exactly the spec's dtype and shape, on the device of ``codes`` (the pipeline copies them
+            back to the host).
         """
         ...
 

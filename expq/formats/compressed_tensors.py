@@ -2,11 +2,15 @@
 
 Per routed-expert projection module ``M`` (e.g. ``model.layers.3.mlp.experts.7.gate_proj``):
 
-* ``M.weight_packed`` int32 ``[out, ceil(in/4)]``: the int8 codes packed by compressed-tensors' own
-  ``pack_to_int32(codes, 8)`` (each code stored as ``code + 128``, four per word, lowest column in the lowest byte);
+* ``M.weight_packed`` int32 ``[out, ceil(in/4)]``: the int8 codes packed as compressed-tensors'
+  ``pack_to_int32(codes, 8)`` packs them (each code stored as the byte ``code + 128``, four per word, lowest column
+  in the lowest byte, a row's last word padded with zero bytes). On a little-endian machine those words are the
+  codes' own bytes with the top bit flipped (``b ^ 0x80 == (code + 128) mod 256``), so ``pack_codes`` writes them
+  as such, in one pass on any device (``tests/test_scheme.py`` checks it against the library, word for word);
 * ``M.weight_scale`` ``[out, 1]`` in the compute dtype (2-D: vLLM copies it into ``w13_weight_scale`` as such). The
   experts_int8 scales are values of the compute dtype, so this is lossless;
-* ``M.weight_shape`` int64 ``[2]``: ``(out, in)``, as compressed-tensors writes it.
+* ``M.weight_shape`` int64 ``[2]``: ``(out, in)``, as compressed-tensors writes it (known at plan time: a constant
+  ``TensorSpec.value``, written when the shard is opened).
 
 The ``quantization_config`` is built with compressed-tensors' config classes and dumped as its ``ModelCompressor``
 writes it, never re-quantized through its quantizer (its scheme differs: absmax/127.5, range [-128, 127]). Its
@@ -16,13 +20,13 @@ weights are ``{num_bits: 8, type: int, symmetric: true, strategy: channel, group
 
 from __future__ import annotations
 
-import json
+import importlib.metadata
 import math
 import re
+import sys
 from typing import ClassVar, Mapping, Sequence
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from ..experts import ExpertMap, Matrix, TensorLike
 from .base import ReadByName, TensorSpec
@@ -33,6 +37,25 @@ _ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # them (docs/research-vllm-names.md): the targets pattern carries these names too.
 VLLM_024_NAMES = ("gate_proj", "up_proj", "down_proj")
 _LINEAR = torch.nn.Linear(1, 1, device="meta")  # the class compressed-tensors matches the "Linear" target against
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [rows, cols] -> int32 words [rows, ceil(cols/4)], exactly ``pack_to_int32(codes, 8)`` of
+    compressed-tensors, on the codes' device, in one pass over the bytes (the library's own function on a
+    big-endian machine).
+
+    ``codes`` (contiguous) is consumed: when ``cols`` is a multiple of 4 its buffer becomes the words.
+    """
+    rows, cols = codes.shape
+    if sys.byteorder != "little":
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        return pack_to_int32(codes.cpu(), 8).to(codes.device)
+    if cols % 4 == 0:
+        return codes.view(torch.uint8).bitwise_xor_(0x80).view(torch.int32)
+    out = torch.zeros((rows, math.ceil(cols / 4) * 4), dtype=torch.uint8, device=codes.device)
+    torch.bitwise_xor(codes.view(torch.uint8), 0x80, out=out[:, :cols])
+    return out.view(torch.int32)
 
 
 def _by_row_blocks(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, fn, cols: int | None = None):
@@ -67,28 +90,29 @@ class CompressedTensorsFormat:
         """``weight_packed`` I32 [out, ceil(in/4)], ``weight_scale`` [out, 1] in the compute dtype,
         ``weight_shape`` I64 [2]."""
         m = matrix.module
+        shape = torch.tensor([matrix.rows, matrix.cols], dtype=torch.int64).numpy().tobytes()
         return [TensorSpec(f"{m}.weight_packed", "I32", (matrix.rows, math.ceil(matrix.cols / 4))),
                 TensorSpec(f"{m}.weight_scale", _ST[self.compute_dtype], (matrix.rows, 1)),
-                TensorSpec(f"{m}.weight_shape", "I64", (2,))]
+                TensorSpec(f"{m}.weight_shape", "I64", (2,), value=shape)]
 
     def encode(self, codes: torch.Tensor, scales: torch.Tensor,
                matrices: Sequence[Matrix]) -> list[list[tuple[TensorSpec, torch.Tensor]]]:
         """Pack the batch once (packing is per row), then cut it per matrix. See ``Format.encode``."""
-        rows, cols = codes.shape
-        packed = _by_row_blocks(codes, (rows, math.ceil(cols / 4)), torch.int32, lambda b: pack_to_int32(b, 8)).cpu()
-        scale2d = scales.to(self.compute_dtype).unsqueeze(1).cpu()
+        packed = pack_codes(codes)
+        scale2d = scales.to(self.compute_dtype).unsqueeze(1)
         out, r0 = [], 0
         for m in matrices:
             sl = slice(r0, r0 + m.rows)
             r0 += m.rows
-            p_spec, s_spec, sh_spec = self.tensor_specs(m)
-            out.append([(p_spec, packed[sl]), (s_spec, scale2d[sl]),
-                        (sh_spec, torch.tensor([m.rows, m.cols], dtype=torch.int64))])
+            p_spec, s_spec, _ = self.tensor_specs(m)
+            out.append([(p_spec, packed[sl]), (s_spec, scale2d[sl])])
         return out
 
     # --- reading --------------------------------------------------------------------------------------------------
     def decode(self, module: str, read: ReadByName) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpack one module with compressed-tensors' ``unpack_from_int32``. See ``Format.decode``."""
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
         packed, scale, shape = (read(f"{module}.{s}") for s in self.SUFFIXES)
         if packed.dtype != torch.int32 or packed.dim() != 2:
             raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
@@ -132,26 +156,22 @@ class CompressedTensorsFormat:
             ignore.append("lm_head")
         return sorted(ignore)
 
-    def _config_object(self, tensors: Mapping[str, TensorLike]):
-        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
-        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=-1,
-                                   dynamic=False)
-        scheme = QuantizationScheme(targets=self.targets(), weights=weights, format="pack-quantized")
-        return QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                                  quantization_status="compressed", ignore=self.ignore(tensors))
-
     def quantization_config(self, tensors: Mapping[str, TensorLike]) -> dict:
-        """Built with compressed-tensors' classes and dumped as its ``ModelCompressor.update_config`` writes it
-        (version, quant_method, empty sparsity and transform configs, the config's fields; keys sorted)."""
-        import compressed_tensors
-        from compressed_tensors.base import (COMPRESSION_VERSION_NAME, QUANTIZATION_METHOD, QUANTIZATION_METHOD_NAME,
-                                             SPARSITY_CONFIG_NAME, TRANSFORM_CONFIG_NAME)
+        """What compressed-tensors' ``ModelCompressor.update_config`` writes for this scheme (version, quant_method,
+        empty sparsity and transform configs, the ``QuantizationConfig`` fields; keys sorted).
 
-        qc = {COMPRESSION_VERSION_NAME: compressed_tensors.__version__, QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
-              SPARSITY_CONFIG_NAME: {}, TRANSFORM_CONFIG_NAME: {},
-              **self._config_object(tensors).model_dump(mode="json", exclude={"quant_method"})}
-        return json.loads(json.dumps(qc, sort_keys=True))
+        Written out here rather than built with the library's classes: importing compressed-tensors takes about 3 s
+        (it imports transformers), longer than converting a small model. ``tests/test_scheme.py`` checks that this
+        equals the library's own dump key for key, and ``verify`` validates it with the library.
+        """
+        weights = {"dynamic": False, "group_size": -1, "num_bits": 8, "strategy": "channel", "symmetric": True,
+                   "type": "int"}
+        group = {"format": "pack-quantized", "input_activations": None, "output_activations": None,
+                 "targets": self.targets(), "weights": weights}
+        return {"config_groups": {"group_0": group}, "format": "pack-quantized", "global_compression_ratio": None,
+                "ignore": self.ignore(tensors), "kv_cache_scheme": None, "moe_sparsity_config": None,
+                "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
+                "transform_config": {}, "version": importlib.metadata.version("compressed-tensors")}
 
     def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:
         """The config validates with compressed-tensors, is pack-quantized 8-bit int channel-wise weight-only, and
