@@ -19,10 +19,12 @@ The output bytes do not depend on the number of devices, their kind or their ord
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
-from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -167,6 +169,7 @@ class _Run:
         self.errors: list[BaseException] = []
         self.units: queue.SimpleQueue = queue.SimpleQueue()
         self.readers: dict[str, int] = {}
+        self.cpu_workers: ThreadPoolExecutor | None = None  # row blocks of CPU pipelines (see cpu_threads)
 
     def halted(self) -> bool:
         return self.stop.is_set() or self.failed.is_set()
@@ -290,7 +293,7 @@ class _DevicePipeline:
         t = self._logical(item)
         w = et.to_rows(t.to(self.device, non_blocking=True).to(plan.compute_dtype)).contiguous()
         del t
-        codes, scales, rep = quantize_matrix(w)
+        codes, scales, rep = quantize_matrix(w, workers=None if self.cuda else self.run.cpu_workers)
         del w
         item.rows_found = _rows_found(job, rep, plan, self.run.allow_nonfinite)
         encoded = plan.format.encode(codes, scales, et.matrices)
@@ -443,6 +446,41 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             for f in dict.fromkeys(p.file for p in j.source.parts):
                 run.readers[f] = run.readers.get(f, 0) + 1
     pipes = [_DevicePipeline(run, d) for d in devices]
+    with cpu_threads(any(d.type == "cpu" for d in devices)) as run.cpu_workers:
+        _run_pipelines(run, pipes, shards, feeder, on_progress)
+    for p in pipes:
+        key = str(p.device)
+        stats.jobs_by_device[key] = stats.jobs_by_device.get(key, 0) + p.count
+        stats.peak_bytes_in_flight[key] = max(stats.peak_bytes_in_flight.get(key, 0), p.budget.peak)
+    if run.errors:
+        raise run.errors[0]
+    if run.stop.is_set():
+        raise Interrupted(getattr(run.stop, "signum", signal.SIGINT))
+    if not shards.complete():
+        raise RuntimeError("internal: some output tensors were not written")
+    return stats.finish()
+
+
+@contextmanager
+def cpu_threads(active: bool):
+    """While a CPU pipeline runs: torch single-threaded, and a pool of one thread per core for the scheme's row
+    blocks (yields it; None when ``active`` is False). OpenMP teams spin-wait for each other and slow down several
+    times over when the pipeline's read, write and hash threads take a core; plain threads do not."""
+    if not active:
+        yield None
+        return
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max(1, cores), thread_name_prefix="expq-rows") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_pipelines(run: _Run, pipes: list[_DevicePipeline], shards: ShardSet, feeder: SourceFeeder | None,
+                   on_progress: Callable[[int, int], None] | None) -> None:
     try:
         if feeder is not None:
             feeder.start(list(run.readers))
@@ -457,14 +495,3 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     finally:
         if feeder is not None:
             feeder.close()
-    for p in pipes:
-        key = str(p.device)
-        stats.jobs_by_device[key] = stats.jobs_by_device.get(key, 0) + p.count
-        stats.peak_bytes_in_flight[key] = max(stats.peak_bytes_in_flight.get(key, 0), p.budget.peak)
-    if run.errors:
-        raise run.errors[0]
-    if run.stop.is_set():
-        raise Interrupted(getattr(run.stop, "signum", signal.SIGINT))
-    if not shards.complete():
-        raise RuntimeError("internal: some output tensors were not written")
-    return stats.finish()

@@ -24,6 +24,8 @@ they are refused unless explicitly allowed.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -164,19 +166,27 @@ CPU_BLOCK_ELEMS = 1 << 20
 passes run over it, each using every core (torch's intra-op threads); measured best of 64K-4M on 2 cores."""
 
 
-def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
+def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
+                    workers: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
     """``quantize_rows`` plus the row report, computing the absmax once: bit-identical to ``quantize_rows(w)``.
 
     Args:
         w: [rows, in] in the compute dtype, on any device.
         block_elems: elements per row block (default: ``CPU_BLOCK_ELEMS`` on a CPU, the whole matrix on a GPU). The
             result does not depend on it: every row is computed on its own.
+        workers: a thread pool that runs the row blocks concurrently (a CPU conversion runs torch single-threaded
+            and spreads blocks over one thread per core: OpenMP's spinning teams collapse when the cores are
+            shared with the pipeline's I/O threads). None: blocks in turn, in this thread.
 
     Returns:
         (codes int8 [rows, in], scales [rows] in w.dtype, RowReport).
 
     A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The quotient can be
-    NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step.
+    NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the rest of the
+    arithmetic is then redone for them by ``quantize_rows``). Clamp: division by a positive scale and rounding are
+    both monotonic, so a row's largest rounded quotient magnitude is that of its absmax, ``round(amax / scale)``;
+    where no row of a block exceeds 127 the clamp changes nothing and is skipped (nearly always: it can only bite
+    when the scale rounded far below amax/127, i.e. subnormal fp16 scales).
 
     Raises:
         ValueError: ``w`` is not 2-D or not a float tensor.
@@ -190,22 +200,44 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[to
     codes = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
     amax = torch.empty(rows, dtype=w.dtype, device=w.device)
     scales = torch.empty(rows, dtype=w.dtype, device=w.device)
-    q = torch.empty((min(step, rows), cols), dtype=w.dtype, device=w.device)
     recip = _RECIP_INT8_MAX.to(w.device)
-    for r0 in range(0, rows, step):
+
+    def block(r0: int) -> None:
         r1 = min(rows, r0 + step)
-        wb, qb, ab, sb = w[r0:r1], q[: r1 - r0], amax[r0:r1], scales[r0:r1]
+        wb, ab, sb = w[r0:r1], amax[r0:r1], scales[r0:r1]
+        qb = _scratch(r1 - r0, cols, w.dtype, w.device)
         torch.amax(torch.abs(wb, out=qb), dim=1, out=ab)
         sb.copy_(ab.to(torch.float32).mul_(recip))  # scales_from_absmax, inline
         torch.div(wb, sb.unsqueeze(1), out=qb)  # true division, rounded to w.dtype (first rounding)
         qb.round_()  # half to even (second rounding)
-        qb.clamp_(-INT8_MAX, INT8_MAX)
+        if bool((torch.div(ab, sb).round_() > INT8_MAX).any()):  # see "clamp" below
+            qb.clamp_(-INT8_MAX, INT8_MAX)
         codes[r0:r1].copy_(qb)
+
+    starts = range(0, rows, step)
+    if workers is None or len(starts) == 1:
+        for r0 in starts:
+            block(r0)
+    else:
+        for _ in workers.map(block, starts):
+            pass
     nan_rows = ~(scales != 0) | ~torch.isfinite(scales)  # only there can w / scale be NaN (0/0, x/NaN, inf/inf)
     if bool(nan_rows.any()):
         codes[nan_rows] = quantize_rows(w[nan_rows], scales[nan_rows])[0]
         canonical_nan_(scales)
     return codes, scales, inspect_rows(amax, scales)
+
+
+_local = threading.local()
+
+
+def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's quotient buffer for one row block (kept between blocks: no allocation per block)."""
+    key = (dtype, device, cols)
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf[0] != key or buf[1].shape[0] < rows:
+        _local.buf = buf = (key, torch.empty((rows, cols), dtype=dtype, device=device))
+    return buf[1][:rows]
 
 
 _QUIET_NAN = {torch.bfloat16: (torch.int16, 0x7FC0), torch.float16: (torch.int16, 0x7E00),
