@@ -41,8 +41,9 @@ maximum (memory, disk) of ``--runs`` runs:
   targets are the routed experts only (``re:.*experts\\.\\d+\\.(w1|w2|w3|gate_proj|up_proj|down_proj)$``), weights
   ``QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False)``, ``format:
   pack-quantized``, ``max_workers=1`` (its default), ``device`` from ``--llmc-device`` (default cpu); the output
-  files are fsynced after it returns (inside the timed process). It runs its shard jobs in threads of one process
-  (a ThreadPoolExecutor), not worker processes; the meter checks that (``procs``). Not installed: the row says why.
+  files are fsynced after it returns (inside the timed process). It runs its shard jobs in the calling process
+  (inline with one worker, a ThreadPoolExecutor's threads with more), never in worker processes; the meter checks
+  that (``procs``). Where it is not installed or does not import, the row says why and the rest runs.
 * ``expq-cpu``, ``expq-cuda``, ``expq-cuda:N``, ``expq-cuda:0,cuda:1``: the expq command line, ``python -m
   expq.cli convert SRC OUT --device D --json`` (start-up and imports count). For CUDA devices the same command line
   runs inside a wrapper (``runpy`` of ``expq.cli`` in the same process) that afterwards records
@@ -605,6 +606,14 @@ def sample():
         done.wait(0.1 if watch else 0.05)
 th = threading.Thread(target=sample, daemon=True)
 th.start()
+fired = []
+def kill():
+    if not done.is_set():
+        fired.append(True)
+        p.kill()
+killer = threading.Timer(spec["timeout"], kill) if spec.get("timeout") else None
+if killer:
+    killer.start()
 try:
     _, st, ru = os.wait4(p.pid, 0)
 except KeyboardInterrupt:
@@ -612,6 +621,10 @@ except KeyboardInterrupt:
     raise
 wall = time.perf_counter() - t0
 done.set()
+p.returncode = os.waitstatus_to_exitcode(st)
+if killer:
+    killer.cancel()
+res["timed_out"] = bool(fired)
 th.join()
 if spec.get("disk_watch"):
     res["disk_peak"] = max(res["disk_peak"] or 0, du(spec["disk_watch"]))
@@ -690,9 +703,8 @@ def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tup
     env["BENCH_GPU_STATS"] = str(stats)
     spec = {"cmd": cmd, "cwd": str(REPO), "env": env, "unset_env": list(unset_env), "gpu": gpu,
             "stdout": str(logs.with_suffix(".out")), "stderr": str(logs.with_suffix(".err")),
-            "disk_watch": str(disk_watch) if disk_watch else None}
-    p = subprocess.run([sys.executable, "-c", METER, json.dumps(spec)], capture_output=True, text=True,
-                       timeout=timeout)
+            "disk_watch": str(disk_watch) if disk_watch else None, "timeout": timeout}
+    p = subprocess.run([sys.executable, "-c", METER, json.dumps(spec)], capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"meter failed: {p.stderr[-2000:]}")
     res = json.loads(p.stdout.strip().splitlines()[-1])
@@ -706,7 +718,8 @@ def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tup
     res["gpu_stats"] = json.loads(stats.read_text()) if stats.exists() else None
     if res["rc"] != 0:
         tail = logs.with_suffix(".err").read_text()[-1500:].strip()
-        res["error"] = tail.splitlines()[-1] if tail else f"exit status {res['rc']}"
+        res["error"] = (f"killed after the {timeout:.0f} s --timeout" if res.get("timed_out") else
+                        tail.splitlines()[-1] if tail else f"exit status {res['rc']}")
         res["stderr_tail"] = tail
     return res
 
@@ -813,10 +826,12 @@ def machine() -> dict:
     info["cuda"] = torch.version.cuda
     info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
-    for mod in ("transformers", "compressed_tensors", "safetensors", "huggingface_hub"):
+    import importlib.metadata as md
+
+    for dist in ("transformers", "compressed-tensors", "safetensors", "huggingface_hub"):
         try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing package is just not listed
+            info[dist] = md.version(dist)
+        except md.PackageNotFoundError:
             pass
     try:
         info["expq_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
@@ -872,7 +887,7 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
                        HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ENABLE_HF_TRANSFER="0",
                        HF_HUB_DISABLE_UPDATE_CHECK="1")
             unset = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                     "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+                     "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH")
             cmd = [py, "-c", STREAM, ctx["repo_id"], str(out), v.device]
             watch = base
         warm(files)
@@ -1061,6 +1076,7 @@ def main() -> None:
     rss_by_model: dict[str, dict] = {}
     for spec in specs:
         srcs = build(spec)
+        by_fmt: dict[str, dict] = {}
         for fmt in formats:
             src = srcs[fmt]
             files = shard_files(src)
@@ -1105,12 +1121,21 @@ def main() -> None:
                     f" {info.get('cpu', '?')}, {info['cores_usable']} cores, "
                     f"{info.get('ram_bytes', 0) / GIB:.0f} GiB"
                     f"{', ' + ', '.join(info['gpus']) if info['gpus'] else ''}, torch {info['torch']}.\n")
+            if fmt == "fp8":
+                head = head.replace(", bf16;", ", its FP8 twin (F8_E4M3 projections, 128x128 block scales);")
             text = head + "\n" + table(rows, src_info)
             if checks:
                 text += "\n\n" + "\n".join(f"- {'PASS' if ok else 'FAIL'}: {d}" for d, ok in checks)
             report.append(text)
             results["models"].append({"source": src_info, "rows": rows, "checks": [
                 {"check": d, "pass": ok} for d, ok in checks]})
+            by_fmt[fmt] = {r["variant"]: r for r in rows if "seconds" in r}
+        if len(by_fmt) == 2:  # FP8 against bf16, variant by variant
+            lines = [f"- {name}: seconds {r['seconds'] / by_fmt['bf16'][name]['seconds']:.2f}x, peak RSS "
+                     f"{r['rss'] / by_fmt['bf16'][name]['rss']:.2f}x" for name, r in by_fmt["fp8"].items()
+                     if name in by_fmt["bf16"] and r["kind"] != "floor"]
+            if lines:
+                report.append(f"### {spec.name}: FP8 source / bf16 source\n\n" + "\n".join(lines))
         if a.delete_sources_after:
             shutil.rmtree(srcs["bf16"].parent, ignore_errors=True)
 
