@@ -68,6 +68,8 @@ How each figure is measured:
   than the meter's own ~15 MB, ``meter_hwm``), max over runs. The meter also samples ``/proc`` every 0.05 s: the
   processes of the tree (``procs``) and the sum of their VmRSS; if a variant ever has more than one process, the
   peak RSS shown is the larger of ``ru_maxrss`` and that sampled sum, marked ``(tree)``.
+* ``CPU s``: user + system CPU seconds of the process (``ru_utime + ru_stime``), median: on a shared machine, wall
+  time well above it means the process waited (for the disk, or for cores others were using).
 * ``peak GPU``: CUDA variants: ``max_memory_allocated`` / ``max_memory_reserved`` summed over the devices used,
   plus ``nvidia-smi`` used memory sampled every 0.1 s, less its value before the start (includes the CUDA context).
 * ``peak disk``: ``expq-stream`` only, as above.
@@ -185,7 +187,8 @@ class ModelSpec:
 
     def describe(self) -> str:
         return (f"{self.family} layout, hidden {self.hidden}, expert intermediate {self.intermediate}, "
-                f"{self.experts} experts (top-{self.top_k}), {self.layers} layers, {self.heads} heads / "
+                f"{self.experts} experts (top-{self.top_k}), {self.layers} layer{'s' * (self.layers != 1)}, "
+                f"{self.heads} heads / "
                 f"{self.kv_heads} kv heads, vocab {self.vocab}, bf16")
 
 
@@ -912,6 +915,7 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
         row["seconds"] = statistics.median(r["wall"] for r in ok)
         row["rss"] = max(max(r["ru_maxrss"], r["tree_rss_peak"] if r["procs"] > 1 else 0) for r in ok)
         row["procs"] = max(r["procs"] for r in ok)
+        row["cpu_seconds"] = statistics.median(r["cpu_seconds"] for r in ok)
         row["cached_min"] = min((r["cached"] for r in ok if r["cached"] is not None), default=None)
         row["output_bytes"] = max(r["output_bytes"] for r in ok)
         if v.kind == "expq":
@@ -963,8 +967,8 @@ def checks_for(row: dict, src_info: dict) -> list[tuple[str, bool]]:
 def table(rows: list[dict], src_info: dict) -> str:
     floor = src_info["floor_seconds"]
     bytes_in = src_info["bytes_in"]
-    lines = ["| variant | seconds | GB/s of source | x floor | peak RSS | peak GPU memory | peak disk | cached |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | seconds | GB/s of source | x floor | peak RSS | peak GPU memory | peak disk | CPU s "
+             "| cached |", "|---|---|---|---|---|---|---|---|---|"]
     labels = {"floor": "I/O floor", "naive": "naive converter", "llmc": "llm-compressor model_free_ptq",
               "decode": "FP8 decoder alone"}
     for r in rows:
@@ -974,7 +978,7 @@ def table(rows: list[dict], src_info: dict) -> str:
             label += f" ({r['device']})"
         if "seconds" not in r:
             why = r.get("skip") or f"failed: {r.get('error')}"
-            lines.append(f"| {label} | {why} | | | | | | |")
+            lines.append(f"| {label} | {why} | | | | | | | |")
             continue
         rss = gb(r["rss"]) + (" (tree)" if r.get("procs", 1) > 1 else "")
         gpu = "—"
@@ -991,7 +995,8 @@ def table(rows: list[dict], src_info: dict) -> str:
         sec = f"**{r['seconds']:.2f}**" if bold else f"{r['seconds']:.2f}"
         xf = f"{r['seconds'] / floor:.2f}" if floor else "—"
         lines.append(f"| {'**' + label + '**' if bold else label} | {sec} | {bytes_in / 1e9 / r['seconds']:.3g} | "
-                     f"{'**' + xf + '**' if bold else xf} | {rss} | {gpu} | {disk} | {cached} |")
+                     f"{'**' + xf + '**' if bold else xf} | {rss} | {gpu} | {disk} | {r['cpu_seconds']:.1f} | "
+                     f"{cached} |")
     return "\n".join(lines)
 
 
