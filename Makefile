@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-gpu fuzz bench clean
+.PHONY: install demo test test-faults test-gpu fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
@@ -36,6 +36,26 @@ test-gpu: $(STAMP)
 FUZZ_N ?= 20000
 fuzz: $(STAMP)
 	$(PY) bench/fuzz.py $(FUZZ_N)
+
+# Prints the convert benchmark's commands (bench/convert.py; its docstring says what each figure is). They are not
+# run here: each builds multi-GB checkpoints (WORK) and takes minutes.
+WORK ?= build/bench-convert
+bench:
+	@echo "# once: llm-compressor in its own virtualenv (bench/.venv-llmc) for the llmc variant"
+	@echo "make bench-llmc"
+	@echo "# smoke test (60 MB model, every variant this machine can run)"
+	@echo "$(PY) bench/convert.py --model tiny --runs 1 --work $(WORK)"
+	@echo "# Mixtral-8x7B at full width, 2 layers (6.3 GB, 5 GB shards); :1 is 3.4 GB"
+	@echo "$(PY) bench/convert.py --model mixtral-8x7b --runs 3 --work $(WORK) --json mixtral.json"
+	@echo "# OLMoE-1B-7B (13.8 GB) and the same widths at twice the layers (27.6 GB): peak RSS must not grow"
+	@echo "$(PY) bench/convert.py --model olmoe --model olmoe-x2 --runs 3 --work $(WORK) --json olmoe.json"
+	@echo "# GPUs: the same commands; expq-cuda (and expq-cuda:0,cuda:1 with two GPUs) run where torch sees CUDA"
+	@echo "$(PY) bench/convert.py --model olmoe --variants floor,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream:cuda:0 --work $(WORK)"
+	@echo "# FP8 twin of a model beside its bf16 source, with expq's FP8 decoder alone"
+	@echo "$(PY) bench/convert.py --model mixtral-8x7b:1 --source-format both --variants floor,expq-cpu,decode --work $(WORK)"
+
+bench-llmc:
+	bash bench/setup_llmc.sh
 
 clean:
 	rm -rf build $(VENV)
