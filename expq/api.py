@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
-from .devices import parse_devices
+from .devices import parse_devices, warm_up
 from .errors import Interrupted, UsageError
 from .formats import FORMATS
 from .layouts import Layout
@@ -126,6 +126,7 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
     if format not in FORMATS:
         raise UsageError(f"unknown --format {format!r}; supported: {', '.join(FORMATS)}")
     devices = parse_devices(device)
+    warm_up(devices)
     source = resolve_source(src, revision=revision, token=token)
     try:
         plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)

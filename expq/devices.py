@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .errors import UsageError
@@ -38,3 +40,19 @@ def parse_devices(spec: str | None) -> list[torch.device]:
     if len(set(devs)) != len(devs):
         raise UsageError(f"device listed twice in {spec!r}")
     return devs
+
+
+def warm_up(devices: list[torch.device]) -> None:
+    """Create the CUDA context of every GPU in ``devices`` in a background thread, so that it overlaps opening the
+    source and planning (about a second per process); a pipeline's first CUDA call waits for it. No-op on CPU."""
+    gpus = [d for d in devices if d.type == "cuda"]
+
+    def init() -> None:
+        try:
+            for d in gpus:
+                torch.empty(1, device=d)
+        except Exception:  # noqa: BLE001 - the pipeline's own first CUDA call reports it
+            pass
+
+    if gpus:
+        threading.Thread(target=init, name="expq-cuda-init", daemon=True).start()

@@ -1,0 +1,86 @@
+"""Where a conversion's time goes, stage by stage: wall and CPU seconds of each pipeline stage, in one process.
+
+    python bench/stage_times.py SRC OUT [--device cpu|cuda|...] [--repeat N]
+
+Wraps the pipeline's stage functions (reading a tensor, the scheme on its rows, packing, positional writes, copies
+of passthrough tensors, the shard hasher, fsync) with timers, runs ``expq.convert`` and prints, per stage, the
+seconds spent inside it summed over calls (wall, and CPU time of the calling thread), the calls, and the process's
+total wall and CPU time (start-up imports measured separately, before the conversion). Stages run concurrently in
+the pipeline's threads, so the wall seconds of the stages add up to more than the run's wall time; the CPU seconds
+say what each stage costs the machine. OUT is removed before each repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import sys
+import threading
+import time
+
+T0 = time.perf_counter()
+import torch  # noqa: E402 - timed as start-up
+
+T_TORCH = time.perf_counter() - T0
+import expq.api  # noqa: E402
+import expq.formats.compressed_tensors as ct  # noqa: E402
+import expq.pipeline as pipeline  # noqa: E402
+import expq.writer as writer  # noqa: E402
+
+T_IMPORT = time.perf_counter() - T0
+ACC: collections.Counter = collections.Counter()
+LOCK = threading.Lock()
+
+
+def timed(owner, name: str, stage: str) -> None:
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            with LOCK:
+                ACC[(stage, "wall")] += time.perf_counter() - t
+                ACC[(stage, "cpu")] += time.thread_time() - c
+                ACC[(stage, "calls")] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    timed(pipeline, "read_tensor", "read (readinto)")
+    timed(pipeline, "quantize_matrix", "scheme (its CPU time: in 'rest')")
+    timed(ct, "pack_codes", "pack")
+    timed(pipeline._DevicePipeline, "_to_host", "copy back to host")
+    timed(pipeline, "copy_bytes", "passthrough copy")
+    timed(writer.ShardSet, "write", "positional write")
+    timed(writer._ShardHash, "advance", "hash (read back + sha256)")
+    timed(writer.os, "fsync", "fsync")
+    print(f"start-up: import torch {T_TORCH:.2f} s, expq {T_IMPORT - T_TORCH:.2f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    for i in range(args.repeat):
+        shutil.rmtree(args.out, ignore_errors=True)
+        ACC.clear()
+        t, c = time.perf_counter(), time.process_time()
+        rep = expq.api.convert(args.src, args.out, device=args.device)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        print(f"run {i + 1}: {rep.bytes_in / 1e9:.2f} GB in, {wall:.2f} s wall, {cpu:.2f} s CPU (process), "
+              f"{rep.bytes_in / wall / 1e9:.2f} GB/s")
+        print(f"  {'stage':40s} {'wall s':>8s} {'CPU s':>8s} {'calls':>7s}")
+        for stage in dict.fromkeys(s for s, _ in ACC):
+            print(f"  {stage:40s} {ACC[(stage, 'wall')]:8.2f} {ACC[(stage, 'cpu')]:8.2f} {int(ACC[(stage, 'calls')]):7d}")
+        rest = cpu - sum(v for (s, k), v in ACC.items() if k == "cpu")
+        print(f"  {'rest: the scheme pool threads, Python':40s} {'':8s} {rest:8.2f}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
