@@ -189,7 +189,7 @@ class ShardStream:
         self._error: BaseException | None = None
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
-        self.peak_bytes = 0
+        self.peak_bytes = folder_bytes(folder) if folder.is_dir() else 0  # the side files, already there
         self.downloaded: list[str] = []
         self.reused: list[str] = []
 

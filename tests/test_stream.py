@@ -105,6 +105,7 @@ def test_stream_matches_the_cached_conversion_within_the_disk_bound(hub_server, 
     hub_server.reset_stats()
     again = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)
     assert again.up_to_date and whole_shards(hub_server) == [] and leftovers(out.parent) == []
+    assert side_bytes(folder) <= again.stream_peak_bytes < side_bytes(folder) + min(sizes.values())
     assert tree_digest(out) == reference
 
 
