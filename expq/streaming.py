@@ -176,7 +176,7 @@ class ShardStream:
             left in the folder, kept because their sha256 matched.
     """
 
-    def __init__(self, listing: StreamListing | None, folder: Path, lock_fd: int | None, *,
+    def __init__(self, listing: StreamListing, folder: Path, lock_fd: int | None, *,
                  ahead: int = DEFAULT_AHEAD):
         if ahead < 0:
             raise ValueError(f"ahead must be >= 0, got {ahead}")
@@ -220,6 +220,8 @@ class ShardStream:
             OutputError: the stream folder cannot be written (disk full...).
             Interrupted: the run was interrupted (``writer.STOP``, set by convert's signal handlers) meanwhile.
         """
+        if file not in self.listing.weights:
+            raise RuntimeError(f"internal: {file} is not a weight file of {self.listing.repo}")
         with self._cv:
             if self._state.get(file) in (None, "done"):  # not scheduled (or read again): fetch it
                 self._state[file] = "queued"
