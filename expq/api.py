@@ -13,13 +13,14 @@ from typing import Callable
 
 from . import __version__
 from .devices import parse_devices, warm_up
-from .errors import Interrupted, UsageError
+from .errors import HubError, Interrupted, UsageError
 from .formats import FORMATS
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, resolve_source
+from .streaming import ShardStream, streamed
 from .writer import STOP, OutputDir, OutputError, ShardSet, config_json, index_json, sha256_file
 
 
@@ -61,6 +62,7 @@ class ConvertReport:
     nonfinite_examples: list[str] = field(default_factory=list)
     up_to_date: bool = False  # OUT already held exactly this conversion: nothing was done
     shards_resumed: int = 0  # output shards an interrupted earlier run had finished, kept (content checked)
+    stream_peak_bytes: int | None = None  # --stream: the most bytes the stream folder held at once (else None)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,13 +94,14 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
 def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, dtype: str = "auto",
             device: str = "auto", revision: str | None = None, max_shard_size: str | int = "5GB",
             overwrite: bool = False, layout: str | Path | Layout | None = None, allow_nonfinite: bool = False,
-            token: str | None = None, fsync: bool = True,
+            token: str | None = None, fsync: bool = True, stream: bool = False,
             on_plan: Callable[[Plan], None] | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
 
-    Steps: parse the devices; open the source; plan (every check before a byte is written); take OUT (staging and
-    lock); run the plan through the devices; write config, index, side files and ``expq.json``; commit.
+    Steps: parse the devices; open the source (with ``stream``, its headers only); plan (every check before a byte
+    is written); take OUT (staging and lock); run the plan through the devices (with ``stream``, downloading the
+    shards as they are needed); write config, index, side files and ``expq.json``; commit.
 
     Args:
         src: a local checkpoint directory or a Hub repo id (``revision``, ``token``; the user's cache and login,
@@ -111,6 +114,9 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         layout: a layout file (``configs/*.toml`` format) for an architecture expq does not know.
         allow_nonfinite: quantize rows holding NaN/inf as vLLM would instead of refusing them.
         fsync: flush each shard to disk before renaming it (on by default).
+        stream: for a Hub repo: plan from the shard headers (ranged reads), then download the shards a few at a
+            time into ``.<OUT>.expq-stream/`` beside OUT, deleting each once converted, instead of using the Hub
+            cache (peak disk: OUT + 3 source shards; see ``streaming``). A killed run resumes from that folder.
         on_plan: called with the plan before any work; on_progress: called after each source tensor with
             (its bytes, output shards finished so far); an exception either raises stops the conversion cleanly.
 
@@ -118,7 +124,8 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         ConvertReport.
 
     Raises:
-        UsageError: bad options or output location. SourceError, LayoutError: see ``inspect``.
+        UsageError: bad options or output location; ``stream`` with a local directory. SourceError, LayoutError:
+            see ``inspect``. HubError: with ``stream``, a shard download failed or does not match the listing.
         NonFiniteError: a routed-expert row holds NaN/inf (names tensor, expert and row).
         On any error nothing is left under a final name in ``out``.
     """
@@ -127,39 +134,59 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         raise UsageError(f"unknown --format {format!r}; supported: {', '.join(FORMATS)}")
     devices = parse_devices(device)
     warm_up(devices)
-    source = resolve_source(src, revision=revision, token=token)
-    try:
-        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
-    outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
-    if outdir.up_to_date():
-        outdir.finish_up_to_date()
-        return _report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0, up_to_date=True)
-    outdir.start()
-    shards = ShardSet(plan, outdir, fsync=fsync)
-    try:
-        with stop_on_signals() as stop:
-            if on_plan:
-                on_plan(plan)
-            stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
-                             done_jobs=outdir.done_jobs, stop=stop)
-            man = _write_side_files(plan, outdir, stats, allow_nonfinite, settings,
-                                    _command(plan, dtype, allow_nonfinite, layout is not None))
-            outdir.commit()
-    except BaseException as e:
-        shards.close_all()
-        if isinstance(e, (Interrupted, OSError, OutputError)):
-            outdir.release()  # staging and journal stay: the same command resumes
-            if isinstance(e, Interrupted):
-                raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
-                                  f"{len(shards.closed)} of {len(plan.shard_names)} shards are kept: re-run the same "
-                                  "command to resume") from None
-        else:
-            outdir.discard()
-        raise
-    return _report(plan, outdir, man, devices, time.perf_counter() - t0)
+    with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
+        try:
+            plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
+        outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
+        if outdir.up_to_date():
+            outdir.finish_up_to_date()
+            return _report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0, feeder,
+                           up_to_date=True)
+        outdir.start()
+        shards = ShardSet(plan, outdir, fsync=fsync)
+        try:
+            with stop_on_signals() as stop:
+                if on_plan:
+                    on_plan(plan)
+                stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
+                                 done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
+                man = _write_side_files(plan, outdir, stats, allow_nonfinite, settings,
+                                        _command(plan, dtype, allow_nonfinite, layout is not None))
+                outdir.commit()
+        except BaseException as e:
+            shards.close_all()
+            if _resumable(e):
+                outdir.release()  # staging and journal stay: the same command resumes
+                if isinstance(e, Interrupted):
+                    raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
+                                      f"{len(shards.closed)} of {len(plan.shard_names)} shards are kept: re-run the "
+                                      "same command to resume") from None
+            else:
+                outdir.discard()
+            raise
+    return _report(plan, outdir, man, devices, time.perf_counter() - t0, feeder)
+
+
+def _resumable(e: BaseException) -> bool:
+    """Whether the same command resumes after ``e``: an interrupt, a failed write (disk full...), or a Hub failure
+    during a ``--stream`` download. The staging folder, journal and stream folder are kept for it; after any other
+    error they are removed."""
+    return isinstance(e, (Interrupted, KeyboardInterrupt, OSError, OutputError, HubError))
+
+
+@contextlib.contextmanager
+def _opened_source(src: str | Path, out: str | Path, *, stream: bool, revision: str | None, token: str | None):
+    """(the Source, the ShardStream that feeds its shards, or None): ``resolve_source``, or with ``stream``
+    ``streaming.streamed`` (the stream folder is removed after a success and after an error that is not
+    ``_resumable``)."""
+    if not stream:
+        yield resolve_source(src, revision=revision, token=token), None
+        return
+    with streamed(str(src), out, revision=revision, token=token, keep=_resumable) as opened:
+        yield opened
 
 
 @contextlib.contextmanager
@@ -172,7 +199,7 @@ def stop_on_signals():
         return
 
     def handler(signum, frame):
-        stop.signum = signum
+        stop.signum = STOP.signum = signum  # STOP's: for a worker waiting on a --stream download (streaming)
         stop.set()
         STOP.set()
 
@@ -192,6 +219,17 @@ def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool) -> dict:
     every file's size, each shard header's sha256, and the sha256 of the first and last MiB of each shard's data
     and of every side file). Deterministic: no paths, no times."""
     src = plan.source
+    return {"expq_version": __version__, "format": plan.format.name, "dtype": dtype,
+            "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "max_shard_size": plan.max_shard_size,
+            "layout_sha256": hashlib.sha256(plan.layout.source_text.encode()).hexdigest(),
+            "allow_nonfinite": allow_nonfinite,
+            "source": {"repo_id": src.repo_id, "commit": src.commit} if src.repo_id and src.commit
+            else {"files": _local_identity(src)}}
+
+
+def _local_identity(src: Source) -> list[list]:
+    """A local source's identity for ``run_settings``: per shard [file, size, header sha256, sha256 of the first
+    and last MiB of its data]; per side file [file, size, sha256]."""
     files = []
     for sh in src.shards:
         with open(sh.path, "rb") as f:
@@ -205,16 +243,11 @@ def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool) -> dict:
     for rel in ["config.json", *src.side_files]:
         p = src.root / rel
         files.append([rel, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()])
-    return {"expq_version": __version__, "format": plan.format.name, "dtype": dtype,
-            "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "max_shard_size": plan.max_shard_size,
-            "layout_sha256": hashlib.sha256(plan.layout.source_text.encode()).hexdigest(),
-            "allow_nonfinite": allow_nonfinite,
-            "source": {"repo_id": src.repo_id, "commit": src.commit} if src.repo_id and src.commit
-            else {"files": files}}
+    return files
 
 
 def _report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float,
-            up_to_date: bool = False) -> ConvertReport:
+            feeder: ShardStream | None, up_to_date: bool = False) -> ConvertReport:
     em, src, rows = plan.experts, plan.source, man.rows
     return ConvertReport(
         out=str(outdir.out), source=src.id, revision=src.revision, commit=src.commit,
@@ -226,7 +259,8 @@ def _report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds
         bytes_out=plan.bytes_out, seconds=round(seconds, 3), devices=[str(d) for d in devices],
         zero_rows=rows.zero, underflow_rows=rows.underflow, nonfinite_rows=rows.nonfinite,
         underflow_examples=list(rows.underflow_examples), nonfinite_examples=list(rows.nonfinite_examples),
-        up_to_date=up_to_date, shards_resumed=len(outdir.kept))
+        up_to_date=up_to_date, shards_resumed=len(outdir.kept),
+        stream_peak_bytes=feeder.peak_bytes if feeder is not None else None)
 
 
 def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:

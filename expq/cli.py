@@ -113,6 +113,11 @@ def convert(
                                                                             "would, instead of refusing.")] = False,
     token: Annotated[Optional[str], typer.Option(help="Hub token (default: HF_TOKEN or your login).",
                                                  show_default=False)] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Hub repos only: plan from the shard headers, then "
+                                                          "download the shards a few at a time into "
+                                                          ".<OUT>.expq-stream/ beside OUT and delete each once "
+                                                          "converted (peak disk: OUT + 3 source shards; no Hub "
+                                                          "cache). A killed run resumes.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
@@ -123,7 +128,7 @@ def convert(
     with errors_to_exit_codes(), bar:
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
                              max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
-                             allow_nonfinite=allow_nonfinite, token=token, on_plan=bar.on_plan,
+                             allow_nonfinite=allow_nonfinite, token=token, stream=stream, on_plan=bar.on_plan,
                              on_progress=bar.on_progress)
     if as_json:
         print(json.dumps(report.to_dict()))
@@ -143,6 +148,8 @@ def convert(
     ]
     if report.nonfinite_rows:
         rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
+    if report.stream_peak_bytes is not None:
+        rows.append(("stream folder at most", _human(report.stream_peak_bytes)))
     if report.up_to_date:
         rows.append(("status", "up to date: OUT already holds this conversion (every file's sha256 checked)"))
     elif report.shards_resumed:

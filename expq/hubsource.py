@@ -7,18 +7,24 @@ choose the files (``select_files``: the shards the index names, the index, and t
 the same choice is made from the local cache (``from_cache``), and a missing file or ``refs/`` entry is named.
 
 Hub snapshots are symlinks into the cache's ``blobs/``; the returned directory is used as it is.
+
+For ``--stream`` (``streaming``), ``fetch_listing`` makes the same choice from a listing with sizes and LFS sha256,
+downloads only the index and side files (into the stream folder), and ``read_remote_header`` reads each shard's
+header with HTTP range requests; ``hub_failure`` classifies errors where no cache can stand in.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
-                     IncompleteCacheError)
-from .source import INDEX_NAME, SINGLE_NAME, WEIGHT_FILE
+                     IncompleteCacheError, SourceError)
+from .source import INDEX_NAME, SINGLE_NAME, WEIGHT_FILE, Shard, header_length, parse_header
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 OFFLINE = "HF_HUB_OFFLINE is set"
@@ -87,25 +93,13 @@ def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = 
         IncompleteCacheError (7): offline, and the cache lacks a needed file or the ``refs/`` entry of a branch.
         HubError (1): no config.json or no usable safetensors weights in the repo, or another Hub failure.
     """
-    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     rev = revision or "main"
     if constants.HF_HUB_OFFLINE:
         return from_cache(repo, rev, OFFLINE)
     try:
-        info = HfApi(token=token).model_info(repo, revision=rev, token=token)
-        paths = [s.rfilename for s in info.siblings or []]
-        if "config.json" not in paths:
-            raise HubError("no config.json at the repo root: not a Hugging Face checkpoint", repo=repo, revision=rev)
-        index = None
-        if INDEX_NAME in paths:
-            index = Path(hf_hub_download(repo, INDEX_NAME, revision=info.sha, token=token))
-        files = select_files(repo, rev, paths, read_weight_map(index))
-        absent = sorted(set(files) - set(paths))
-        if absent:
-            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
-            raise HubNotFoundError(f"{INDEX_NAME} names this file but commit {info.sha} does not have it{more}",
-                                   repo=repo, revision=rev, file=absent[0])
+        info, files = _choose(repo, rev, token)
         local = Path(snapshot_download(repo, revision=rev, token=token,
                                        allow_patterns=[glob.escape(f) for f in files]))
     except ExpqError:
@@ -117,6 +111,193 @@ def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = 
         raise HubError(f"{rev} moved from {info.sha} to {local.name} during the download", repo=repo, revision=rev,
                        hint=f"run again, or pin --revision {local.name}")
     return local, info.sha
+
+
+def _choose(repo: str, rev: str, token: str | bool | None, *, local_dir: Path | None = None,
+            files_metadata: bool = False):
+    """(the revision's ``ModelInfo``, the files expq needs from it: ``select_files``'s choice). The index is
+    downloaded to read its weight map: into the cache, or into ``local_dir``. ``files_metadata``: the listing
+    carries each file's size and LFS sha256.
+
+    Raises:
+        HubError: no config.json at the root; ``select_files``'s errors. HubNotFoundError: the index names a file
+            the commit does not have. Failures of the Hub calls themselves are huggingface_hub's exceptions.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    info = HfApi(token=token).model_info(repo, revision=rev, token=token, files_metadata=files_metadata)
+    paths = [s.rfilename for s in info.siblings or []]
+    if "config.json" not in paths:
+        raise HubError("no config.json at the repo root: not a Hugging Face checkpoint", repo=repo, revision=rev)
+    index = None
+    if INDEX_NAME in paths:
+        index = Path(hf_hub_download(repo, INDEX_NAME, revision=info.sha, token=token, local_dir=local_dir))
+    files = select_files(repo, rev, paths, read_weight_map(index))
+    absent = sorted(set(files) - set(paths))
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise HubNotFoundError(f"{INDEX_NAME} names this file but commit {info.sha} does not have it{more}",
+                               repo=repo, revision=rev, file=absent[0])
+    return info, files
+
+
+# --- --stream: the listing and side files now, the shards' headers by ranged reads, the shards later ---------------
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a Hub revision as its listing gives it: ``size`` in bytes, and what its content must hash to:
+    ``sha256`` (the LFS oid) for an LFS file, else ``blob_id`` (the git blob id: sha1 of ``blob <size>\\0`` +
+    content)."""
+
+    path: str
+    size: int
+    sha256: str | None
+    blob_id: str | None
+
+    def mismatch(self, path: Path) -> str | None:
+        """None when the file at ``path`` has this size and content hash, else what differs (for an error line).
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        got = path.stat().st_size
+        if got != self.size:
+            return f"downloaded {got} bytes but the Hub lists {self.size}"
+        if self.sha256 is not None:
+            h = hashlib.sha256()
+            want, what = self.sha256, "the LFS oid (sha256)"
+        elif self.blob_id is not None:
+            h = hashlib.sha1(b"blob %d\0" % got)
+            want, what = self.blob_id, "the git blob id"
+        else:
+            return None
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != want:
+            return (f"the downloaded content hashes to {h.hexdigest()[:16]}..., not to {what} {want[:16]}... the Hub "
+                    "lists")
+        return None
+
+
+@dataclass(frozen=True)
+class StreamListing:
+    """What ``fetch_listing`` found: the repo, the revision asked for and the commit it is (every download is
+    pinned to it), the token, the weight files with their sizes and hashes (name order) and the other files
+    (already downloaded)."""
+
+    repo: str
+    revision: str
+    commit: str
+    token: str | bool | None
+    weights: dict[str, RemoteFile]
+    side: list[str]
+
+    def where(self, rel: str) -> str:
+        """How error lines name a file of the repo before it is downloaded: ``hf://org/name[@revision]/path``."""
+        at = "" if self.revision == "main" else f"@{self.revision}"
+        return f"hf://{self.repo}{at}/{rel}"
+
+
+def fetch_listing(repo: str, folder: Path, *, revision: str | None = None,
+                  token: str | bool | None = None) -> StreamListing:
+    """``--stream``: list a Hub revision's files (sizes and LFS sha256), choose them as ``fetch`` does
+    (``select_files``), and download the index and the side files (config, tokenizer...: small) into ``folder``
+    with ``hf_hub_download(local_dir=...)``, pinned to the revision's commit. The weight files stay on the Hub; the
+    Hub cache is not written.
+
+    Raises:
+        HubOfflineError (6): ``HF_HUB_OFFLINE`` is set or the Hub cannot be reached (a stream needs the Hub; without
+            ``--stream`` the cache is used). The other HubErrors as ``fetch``.
+    """
+    from huggingface_hub import constants, hf_hub_download
+
+    rev = revision or "main"
+    if constants.HF_HUB_OFFLINE:
+        raise HubOfflineError(f"--stream downloads from the Hub, and {OFFLINE}", repo=repo, revision=rev,
+                              hint="convert without --stream to use the local cache")
+    try:
+        info, files = _choose(repo, rev, token, local_dir=folder, files_metadata=True)
+        listed = {s.rfilename: s for s in info.siblings or []}
+        weights = {f: _remote_file(listed[f]) for f in files if WEIGHT_FILE.search(f)}
+        side = [f for f in files if f not in weights]
+        for f in side:
+            if f != INDEX_NAME:
+                hf_hub_download(repo, f, revision=info.sha, token=token, local_dir=folder)
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every Hub failure is classified; the rest is re-raised
+        raise hub_failure(e, repo, rev, token) from None
+    return StreamListing(repo, rev, info.sha, token, weights, side)
+
+
+def _remote_file(sibling) -> RemoteFile:
+    lfs = sibling.lfs
+    size = lfs.size if lfs is not None else sibling.size
+    return RemoteFile(sibling.rfilename, int(size or 0), lfs.sha256 if lfs is not None else None,
+                      None if lfs is not None else sibling.blob_id)
+
+
+def read_remote_header(listing: StreamListing, rel: str, path: Path) -> Shard:
+    """One weight file's header, read from the Hub without any of its tensor data: two ranged GETs (its 8-byte
+    length, then exactly the header) through huggingface_hub's session, validated by ``source.parse_header``
+    against the size the listing gives (so a header that does not cover the file is refused before the download).
+
+    Args:
+        path: where the file will be under the stream folder (``Shard.path``).
+
+    Raises:
+        SourceError: the header is not valid (``read_header``'s checks), naming ``hf://repo/file``.
+        HubError: the Hub refused or failed the reads (``hub_failure``).
+    """
+    from huggingface_hub import hf_hub_url
+
+    f, where = listing.weights[rel], listing.where(rel)
+    url = hf_hub_url(listing.repo, rel, revision=listing.commit)
+    try:
+        n = header_length(_read_range(url, 0, min(8, f.size), listing.token), f.size, where)
+        blob = _read_range(url, 8, n, listing.token)
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001 - classified as for every Hub call
+        raise hub_failure(e, listing.repo, listing.revision, listing.token, file=rel) from None
+    if len(blob) != n:
+        raise SourceError(f"short read of the header ({len(blob)} of {n} bytes): file changed or truncated",
+                          file=where)
+    return parse_header(blob, f.size, rel, path=path, where=where)
+
+
+def _read_range(url: str, start: int, length: int, token: str | bool | None) -> bytes:
+    """``length`` bytes of a file from byte ``start`` (an HTTP range request; retried as huggingface_hub retries).
+    A server that ignores the range is read only as far as needed."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+    if length <= 0:
+        return b""
+    headers = {**build_hf_headers(token=token), "Range": f"bytes={start}-{start + length - 1}"}
+    with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+        hf_raise_for_status(r)
+        skip = start if r.status_code == 200 else 0
+        got = bytearray()
+        for chunk in r.iter_bytes():
+            got += chunk
+            if len(got) >= skip + length:
+                break
+    return bytes(got[skip:skip + length])
+
+
+def hub_failure(e: Exception, repo: str, rev: str, token: str | bool | None, *, file: str | None = None) -> HubError:
+    """The HubError a failed Hub call means where no cache can stand in (``--stream``): the one ``_classify``
+    raises, or HubOfflineError where it would fall back to the cache (offline, no network, an outage). ``file``
+    names the file when the error does not. Exceptions that are not Hub failures are re-raised as they are."""
+    try:
+        reason = _classify(e, repo, rev, token)
+    except HubError as err:
+        if err.file is None and file is not None:
+            return type(err)(err.message, repo=err.repo, revision=err.revision, file=file, hint=err.hint)
+        return err
+    return HubOfflineError(f"the Hub cannot be used ({reason})", repo=repo, revision=rev, file=file,
+                           hint="re-run the same command to resume once it is reachable")
 
 
 def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:

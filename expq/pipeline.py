@@ -319,15 +319,15 @@ class _DevicePipeline:
         run = self.run
         while (item := run.get(self.write_q)) is not _END:
             job = item.job
+            if item.rows_found is not None:  # before the writes: the shard the last one closes journals them
+                with run.lock:
+                    run.stats.by_job[item.index] = item.rows_found
             if job.kind == "copy":
                 _run_copy(run.plan, job, run.shards)
             else:
                 for out, x in item.writes:
                     run.shards.write(out, x)
             item.writes = []
-            if item.rows_found is not None:
-                with run.lock:
-                    run.stats.by_job[item.index] = item.rows_found
             self.budget.release(item.cost)
             self.count += 1
             run.job_done(job)

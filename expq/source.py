@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -81,7 +81,8 @@ class Source:
     """A resolved, validated source checkpoint.
 
     Attributes:
-        root: the local directory (a Hub snapshot for a repo id).
+        root: the local directory (a Hub snapshot for a repo id; with ``--stream``, the stream folder, where the
+            shards appear as they are downloaded).
         repo_id, revision, commit: where it came from when resolved from the Hub (else None).
         config: ``config.json`` as a dict.
         shards: safetensors files in name order; ``tensors``: name -> TensorInfo over all shards (as stored).
@@ -121,6 +122,21 @@ class Source:
         return self.decoder.decode(tensor, self.read)
 
 
+@dataclass(frozen=True)
+class RemoteShards:
+    """Shard files that are not on disk yet (``--stream``: they are downloaded while the conversion runs).
+
+    Attributes:
+        files: the weight files the repo holds that the checkpoint uses (repo paths), sorted; with an index they
+            must be the files its ``weight_map`` names.
+        read_header: ``read_header(rel) -> Shard`` reads one file's header without its data (same checks as
+            ``read_header``; ``Shard.path`` is where the file will be under the source root).
+    """
+
+    files: list[str]
+    read_header: Callable[[str], Shard]
+
+
 def read_header(path: Path, rel: str) -> Shard:
     """Parse and validate one safetensors file's header as strictly as the safetensors library does.
 
@@ -142,90 +158,126 @@ def read_header(path: Path, rel: str) -> Shard:
             entry or metadata, unknown dtype, offsets that overlap, leave gaps, disagree with the shape, stop short
             of the end of the file or run past it (a truncated download).
     """
-    size, n, text = _header_bytes(path)
-    header = _header_json(text, path)
-    meta = _header_metadata(header.pop("__metadata__", None), path)
-    base = 8 + n
-    tensors = [_header_entry(name, e, rel, base, path) for name, e in header.items()]
+    size, blob = _header_bytes(path)
+    return parse_header(blob, size, rel, path=path)
+
+
+def header_length(prefix: bytes, size: int, where: str) -> int:
+    """The header length a safetensors file's first bytes give (``prefix``: at least its first 8 bytes, or the whole
+    file when it is shorter), checked against the file's ``size`` in bytes.
+
+    Raises:
+        SourceError: (naming ``where``) a Git LFS pointer, a file shorter than 8 bytes, or a length that is 0, over
+            100,000,000 or past the end of the file.
+    """
+    if prefix.startswith(LFS_POINTER):
+        raise SourceError("a Git LFS pointer, not the weights", file=where, hint="run git lfs pull")
+    if len(prefix) < 8:
+        raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=where)
+    n = int.from_bytes(prefix[:8], "little")
+    if n <= 0 or n > MAX_HEADER or 8 + n > size:
+        raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=where)
+    return n
+
+
+def parse_header(blob: bytes, size: int, rel: str, *, path: Path, where: str | None = None) -> Shard:
+    """Validate a safetensors header given as bytes (``read_header``'s checks, without reading a file): ``blob`` is
+    the header JSON (the ``n`` bytes after the 8-byte length), ``size`` the whole file's size in bytes.
+
+    Args:
+        rel: the file's path relative to the checkpoint directory (``TensorInfo.file``).
+        path: where the file is (or will be) on disk (``Shard.path``).
+        where: how error lines name the file (default: ``path``), e.g. ``hf://org/name/model.safetensors``.
+
+    Returns:
+        the Shard, each TensorInfo with its absolute byte range in the file (``8 + len(blob)`` + data offsets).
+
+    Raises:
+        SourceError: as ``read_header``, naming ``where``.
+    """
+    where = str(path) if where is None else where
+    base = 8 + len(blob)
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(f"not a safetensors file (header is not UTF-8: byte {e.start})", file=where) from None
+    header = _header_json(text, where)
+    meta = _header_metadata(header.pop("__metadata__", None), where)
+    tensors = [_header_entry(name, e, rel, base, where) for name, e in header.items()]
     tensors.sort(key=lambda x: (x.start, x.end))
     pos = base
     for ti in tensors:
         if ti.start != pos:
-            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=str(path),
+            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=where,
                               tensor=_shown(ti.name))
         pos = ti.end
     last = _shown(tensors[-1].name) if tensors else None
     if pos > size:
         raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
-                          file=str(path), tensor=last)
+                          file=where, tensor=last)
     if pos < size:
         extra = size - pos
         raise SourceError(f"{extra} byte{'s' if extra != 1 else ''} after the end of the last tensor's data (byte "
-                          f"{pos}): the header does not cover the file", file=str(path), tensor=last)
+                          f"{pos}): the header does not cover the file", file=where, tensor=last)
     return Shard(rel, path, size, tensors, meta)
 
 
-def _header_bytes(path: Path) -> tuple[int, int, str]:
-    """(file size, header length, header text) of a safetensors file; Git LFS pointers named as such."""
+def _header_bytes(path: Path) -> tuple[int, bytes]:
+    """(file size, header bytes) of a safetensors file; Git LFS pointers named as such."""
+    where = str(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
-            if raw.startswith(LFS_POINTER[:8]) and (raw + f.read(len(LFS_POINTER) - 8)) == LFS_POINTER:
-                raise SourceError("a Git LFS pointer, not the weights", file=str(path), hint="run git lfs pull")
-            if len(raw) < 8:
-                raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=str(path))
-            n = int.from_bytes(raw, "little")
-            if n <= 0 or n > MAX_HEADER or 8 + n > size:
-                raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=str(path))
+            if raw.startswith(LFS_POINTER[:8]):
+                raw += f.read(len(LFS_POINTER) - 8)
+            n = header_length(raw, size, where)
+            f.seek(8)
             blob = f.read(n)
     except OSError as e:
-        raise SourceError(f"cannot read: {e.strerror or e}", file=str(path)) from None
+        raise SourceError(f"cannot read: {e.strerror or e}", file=where) from None
     if len(blob) != n:
         raise SourceError(f"short read of the header ({len(blob)} of {n} bytes): file changed or truncated",
-                          file=str(path))
-    try:
-        return size, n, blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SourceError(f"not a safetensors file (header is not UTF-8: byte {e.start})", file=str(path)) from None
+                          file=where)
+    return size, blob
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _header_json(text: str, path: Path) -> dict:
+def _header_json(text: str, where: str) -> dict:
     """The header text as a dict (strict JSON: no NaN/Infinity, no lone surrogates, bounded nesting)."""
     try:
         header = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
-        raise SourceError("not a safetensors file (header JSON is nested too deeply)", file=str(path)) from None
+        raise SourceError("not a safetensors file (header JSON is nested too deeply)", file=where) from None
     except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers too long to convert
-        raise SourceError(f"not a safetensors file (header is not JSON: {_brief_error(e)})", file=str(path)) from None
+        raise SourceError(f"not a safetensors file (header is not JSON: {_brief_error(e)})", file=where) from None
     if not isinstance(header, dict):
-        raise SourceError(f"not a safetensors file (header is {_kind(header)}, not a JSON object)", file=str(path))
+        raise SourceError(f"not a safetensors file (header is {_kind(header)}, not a JSON object)", file=where)
     for key in header:
         if not _valid_text(key):
-            raise SourceError(f"tensor name {ascii(key)[:80]} is not valid Unicode", file=str(path))
+            raise SourceError(f"tensor name {ascii(key)[:80]} is not valid Unicode", file=where)
     return header
 
 
-def _header_metadata(meta: Any, path: Path) -> dict[str, str]:
+def _header_metadata(meta: Any, where: str) -> dict[str, str]:
     """``__metadata__``: absent, null or a str -> str object."""
     if meta is None:
         return {}
     if not isinstance(meta, dict):
-        raise SourceError(f"__metadata__ must be an object of strings, got {_kind(meta)}", file=str(path))
+        raise SourceError(f"__metadata__ must be an object of strings, got {_kind(meta)}", file=where)
     for k, v in meta.items():
         if not isinstance(v, str) or not _valid_text(k) or not _valid_text(v):
-            raise SourceError(f"__metadata__[{ascii(k)[:80]}] must be a string, got {_kind(v)}", file=str(path))
+            raise SourceError(f"__metadata__[{ascii(k)[:80]}] must be a string, got {_kind(v)}", file=where)
     return meta
 
 
-def _header_entry(name: str, e: Any, rel: str, base: int, path: Path) -> TensorInfo:
+def _header_entry(name: str, e: Any, rel: str, base: int, where: str) -> TensorInfo:
     """One tensor entry of a header, checked: dtype, shape, offsets and their agreement."""
     def bad(what: str) -> SourceError:
-        return SourceError(f"malformed header entry: {what}", file=str(path), tensor=_shown(name))
+        return SourceError(f"malformed header entry: {what}", file=where, tensor=_shown(name))
 
     if not isinstance(e, dict):
         raise bad(f"expected an object with {', '.join(ENTRY_KEYS)}, got {_kind(e)}")
@@ -234,7 +286,7 @@ def _header_entry(name: str, e: Any, rel: str, base: int, path: Path) -> TensorI
         raise bad(f"no {', '.join(missing)}")
     dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise SourceError(f"unknown dtype {_kind(dtype)}", file=str(path), tensor=_shown(name))
+        raise SourceError(f"unknown dtype {_kind(dtype)}", file=where, tensor=_shown(name))
     if not isinstance(shape, list) or not all(_is_u64(x) for x in shape):
         raise bad(f"shape must be a list of non-negative integers, got {_kind(shape)}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(x) for x in offsets):
@@ -249,7 +301,7 @@ def _header_entry(name: str, e: Any, rel: str, base: int, path: Path) -> TensorI
         raise bad(f"{dtype}{shape} does not fill whole bytes ({bits} bits)")
     if t - s != bits // 8:
         raise SourceError(f"byte range {t - s} does not match {dtype}{shape} ({bits // 8} bytes)",
-                          file=str(path), tensor=_shown(name))
+                          file=where, tensor=_shown(name))
     return TensorInfo(name, rel, dtype, tuple(shape), base + s, base + t)
 
 
@@ -294,7 +346,8 @@ def _brief_error(e: Exception) -> str:
 
 
 def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
-                commit: str | None = None, allow_outside_links: bool = False) -> Source:
+                commit: str | None = None, allow_outside_links: bool = False,
+                remote: RemoteShards | None = None) -> Source:
     """Read and validate a local checkpoint directory.
 
     Steps: read config.json; find the shard files (index, or the single file); read and check every shard header;
@@ -303,6 +356,9 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     Every file read or copied must stay inside ``root``: a symbolic link (or an index entry) that resolves outside it
     is refused, unless ``allow_outside_links``. In a Hub cache snapshot (``<cache>/models--org--name/snapshots/<sha>``)
     links into the repo's ``blobs/`` folder are how the cache stores files, and are accepted.
+
+    ``remote`` (``--stream``): the shard files are not under ``root`` yet; their headers are read through
+    ``remote.read_header`` and the files are looked for under ``root`` only when they are read.
 
     Raises:
         SourceError: missing config.json or weights, an index that names missing files or tensors, a tensor stored
@@ -317,13 +373,13 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     inside = _Inside(root, enabled=not allow_outside_links)
     inside.check("config.json", "config.json")
     config = read_config(root)
-    weight_map, files = _shard_files(root)
+    weight_map, files = _shard_files(root, remote.files if remote is not None else None)
     what = f"listed in {INDEX_NAME}, but" if weight_map is not None else "weights file"
     if weight_map is not None:
         inside.check(INDEX_NAME, INDEX_NAME)
     for rel in files:
         inside.check(rel, what)
-    shards, tensors = _read_shards(root, files)
+    shards, tensors = _read_shards(root, files, remote.read_header if remote is not None else None)
     if weight_map is not None:
         _check_index(root, weight_map, tensors)
     side, skipped = _side_files(root, set(files), inside)
@@ -417,8 +473,9 @@ def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> No
                               file=str(cfg_path))
 
 
-def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
-    """(the index's weight map or None, the shard files in name order)."""
+def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[dict[str, str] | None, list[str]]:
+    """(the index's weight map or None, the shard files in name order). Without an index, ``remote`` (the weight
+    files of a streamed source, not on disk yet) stands for what the directory would hold."""
     index_path = root / INDEX_NAME
     if index_path.is_file():
         try:
@@ -434,6 +491,8 @@ def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
                 raise SourceError(f"weight_map names a file outside the checkpoint directory: {rel!r}",
                                   file=str(index_path))
         return weight_map, files
+    if remote is not None and len(remote) == 1:
+        return None, list(remote)
     if (root / SINGLE_NAME).is_file():
         return None, [SINGLE_NAME]
     found = sorted(p.name for p in root.glob("*.safetensors"))
@@ -447,13 +506,11 @@ def _shard_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
     raise SourceError(f"no safetensors weights{extra}", file=str(root))
 
 
-def _read_shards(root: Path, files: list[str]) -> tuple[list[Shard], dict[str, TensorInfo]]:
+def _read_shards(root: Path, files: list[str], remote: Callable[[str], Shard] | None = None
+                 ) -> tuple[list[Shard], dict[str, TensorInfo]]:
     shards, tensors = [], {}
-    for rel in files:
-        p = root / rel
-        if not p.is_file():
-            raise SourceError(f"listed in {INDEX_NAME} but missing", file=str(p))
-        sh = read_header(p, rel)
+    for sh in _headers(root, files, remote):
+        p = sh.path
         shards.append(sh)
         for ti in sh.tensors:
             if ti.name in tensors:
@@ -461,6 +518,33 @@ def _read_shards(root: Path, files: list[str]) -> tuple[list[Shard], dict[str, T
                                   tensor=ti.name)
             tensors[ti.name] = ti
     return shards, tensors
+
+
+def _headers(root: Path, files: list[str], remote: Callable[[str], Shard] | None):
+    """Each file's Shard, in order: read from ``root``, or through ``remote`` for files not on disk yet."""
+    if remote is not None:
+        yield from _in_threads(remote, files)
+        return
+    for rel in files:
+        p = root / rel
+        if not p.is_file():
+            raise SourceError(f"listed in {INDEX_NAME} but missing", file=str(p))
+        yield read_header(p, rel)
+
+
+def _in_threads(fn: Callable[[str], Shard], files: list[str], threads: int = 8):
+    """``fn`` over ``files`` on a few threads (remote header reads are round trips), results in order; the first
+    error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(threads, max(1, len(files)))) as pool:
+        futures = [pool.submit(fn, rel) for rel in files]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
 
 
 def _check_index(root: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
@@ -516,12 +600,17 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
             raise SourceError("--revision applies to Hub repo ids, not to a local directory", file=str(p))
         return open_source(p)
     s = str(src)
-    if not re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s) or s.startswith((".", "/")):
+    if not is_repo_id(s):
         raise SourceError("no such directory, and not a Hub repo id", file=s)
     from .hubsource import fetch
 
     local, commit = fetch(s, revision=revision, token=token)
     return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
+
+
+def is_repo_id(s: str) -> bool:
+    """Whether ``s`` has the form of a Hub repo id (``name`` or ``org/name``; letters, digits, ``_.-``)."""
+    return bool(re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s)) and not s.startswith((".", "/"))
 
 
 def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:

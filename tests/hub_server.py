@@ -17,7 +17,12 @@ check that a resumed push did not upload finished files again.
 Read failures, as the Hub answers them: ``gate(repo_id)`` makes file downloads answer 401 (anonymous) or 403
 (a user not granted access) with ``X-Error-Code: GatedRepo``; ``deny_read(repo_id)`` makes every read of the repo
 answer 403 without an error code (a token without read permission); ``hide_file(repo_id, path)`` makes a file that
-the tree lists answer 404 ``EntryNotFound`` when downloaded; ``reject_tokens`` answers 401 invalid credentials.
+the tree lists answer 404 ``EntryNotFound`` when downloaded; ``reject_tokens`` answers 401 invalid credentials;
+``serve_instead(repo_id, path, data)`` sends other bytes than the listing describes (a corrupt or truncated copy).
+
+Downloads honour a single ``Range: bytes=first-last`` (also ``first-`` and ``-suffix``) with 206 Partial Content and
+``Content-Range``, 416 when it starts past the end; ``transfers(repo_id)`` lists what was sent, byte ranges included;
+``hold(repo_id, path)`` keeps a download waiting until the test releases it.
 """
 
 from __future__ import annotations
@@ -171,6 +176,9 @@ class HubServer:
         self.denied_reads: set[str] = set()  # repo ids answering 403 to every read
         self.gated: dict[str, set[str]] = {}  # gated repo id -> users granted access
         self.hidden_files: set[tuple[str, str]] = set()  # (repo id, path): listed, but downloads answer 404
+        self.replaced: dict[tuple[str, str], bytes] = {}  # (repo id, path): listed as committed, serves these bytes
+        self.held: dict[tuple[str, str], tuple[threading.Event, threading.Event]] = {}  # see hold()
+        self.served: list[tuple[str, str, int, int, int]] = []  # (repo id, path, status, first byte, length)
         self.repos: dict[tuple[str, str], Repo] = {}
         self.faults: list[Fault] = []
         self.stats: Counter[str] = Counter()  # requests received, per endpoint name
@@ -191,7 +199,7 @@ class HubServer:
         class Handler(_Handler):
             server_hub = hub
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = _Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-server", daemon=True
@@ -256,6 +264,23 @@ class HubServer:
         """Keep ``path`` in the repo's listings but answer 404 EntryNotFound when it is downloaded."""
         self.hidden_files.add((repo_id, path))
 
+    def serve_instead(self, repo_id: str, path: str, data: bytes) -> None:
+        """Keep ``path``'s listing (size, sha256, ETag) as committed but send ``data`` when it is downloaded: a
+        corrupt or truncated copy, as a broken mirror or proxy would serve it."""
+        self.replaced[(repo_id, path)] = bytes(data)
+
+    def hold(self, repo_id: str, path: str) -> tuple[threading.Event, threading.Event]:
+        """Make whole-file downloads of ``path`` (GET without a Range) wait before answering: returns (requested:
+        set when such a download arrives, release: set it to let the answer go; after 120 s it goes anyway)."""
+        pair = self.held[(repo_id, path)] = (threading.Event(), threading.Event())
+        return pair
+
+    def transfers(self, repo_id: str) -> list[tuple[str, int, int, int]]:
+        """(path, status, first byte, length) of every file content the server sent for ``repo_id`` (GET on
+        resolve answered 200 or 206), in order: ranged reads show as 206 with their byte range."""
+        with self._lock:
+            return [(p, st, a, n) for r, p, st, a, n in self.served if r == repo_id]
+
     def downloaded(self, repo_id: str) -> list[str]:
         """Paths of ``repo_id`` whose content was sent (GET on resolve answered 200/206), in order."""
         prefix = f"/{repo_id}/resolve/"
@@ -269,6 +294,7 @@ class HubServer:
             self.stats.clear()
             self.uploaded_oids.clear()
             self.requests.clear()
+            self.served.clear()
 
     # ------------------------------------------------------------------ seeding
     def create_repo(self, repo_id: str, repo_type: str = "model", private: bool = False) -> Repo:
@@ -918,18 +944,37 @@ class HubServer:
                    "Content-Type": "application/octet-stream"}
         if entry.lfs:
             headers.update({"X-Linked-Etag": f'"{entry.sha256}"', "X-Linked-Size": str(entry.size)})
-        start, end, status = 0, entry.size - 1, 200
+        data = self.replaced.get((repo_id, path))
+        size = entry.size if data is None else len(data)
+        start, end, status = 0, size - 1, 200
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", h.headers.get("Range") or "")
-        if m and entry.size:
+        if m and size:  # one range, as RFC 9110 section 14: first-last, first-, or -suffix
             if m[1]:
-                start, end = int(m[1]), min(int(m[2]), entry.size - 1) if m[2] else entry.size - 1
+                start, end = int(m[1]), min(int(m[2]), size - 1) if m[2] else size - 1
             else:
-                start = max(entry.size - int(m[2] or 0), 0)
+                start = max(size - int(m[2] or 0), 0)
             if start > end:
-                raise HubError(416, "Range not satisfiable", headers={"Content-Range": f"bytes */{entry.size}"})
+                raise HubError(416, "Range not satisfiable", headers={"Content-Range": f"bytes */{size}"})
             status = 206
-            headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
-        return _Resp(status, (self._object(entry.sha256), start, end - start + 1), headers)
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        held = self.held.get((repo_id, path))
+        if h.command == "GET" and held is not None and not h.headers.get("Range"):
+            held[0].set()
+            held[1].wait(120)
+        if h.command == "GET":
+            with self._lock:
+                self.served.append((repo_id, path, status, start, end - start + 1))
+        body = (self._object(entry.sha256), start, end - start + 1) if data is None else data[start:end + 1]
+        return _Resp(status, body, headers)
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away (a killed process) is not a server error: say nothing; print the others."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -113,6 +113,39 @@ def test_snapshot_download_revisions_patterns_and_offline(hub_server, seeded, tm
         snapshot_download("test-user/other")
 
 
+def test_range_requests_and_served_bytes(hub_server, seeded):
+    """Range: bytes=a-b / a- / -n answer 206 with Content-Range (clipped to the file), past the end 416; the
+    transfers are listed with their byte ranges; serve_instead sends other bytes under the same listing."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    data = seeded["model.safetensors"]
+    url = hf_hub_url(REPO, "model.safetensors")
+
+    def get(rng):
+        return get_session().get(url, headers={**build_hf_headers(), "Range": rng})
+
+    for rng, first, last in (("bytes=0-7", 0, 7), ("bytes=100-", 100, 4095), ("bytes=-10", 4086, 4095),
+                             ("bytes=4000-9999", 4000, 4095)):
+        r = get(rng)
+        assert r.status_code == 206 and r.content == data[first:last + 1], rng
+        assert r.headers["Content-Range"] == f"bytes {first}-{last}/4096"
+        assert int(r.headers["Content-Length"]) == last - first + 1
+    r = get("bytes=4096-")
+    assert r.status_code == 416 and r.headers["Content-Range"] == "bytes */4096"
+    whole = get_session().get(url, headers=build_hf_headers())
+    assert whole.status_code == 200 and whole.content == data
+    assert hub_server.transfers(REPO) == [("model.safetensors", 206, 0, 8), ("model.safetensors", 206, 100, 3996),
+                                          ("model.safetensors", 206, 4086, 10),
+                                          ("model.safetensors", 206, 4000, 96), ("model.safetensors", 200, 0, 4096)]
+    # a corrupt copy: the listing (size, sha256) stays, the bytes sent differ
+    hub_server.serve_instead(REPO, "model.safetensors", data[:1000])
+    listed = {s.rfilename: s for s in HfApi().model_info(REPO, files_metadata=True).siblings}["model.safetensors"]
+    assert listed.size == 4096 and listed.lfs.sha256 == _sha256(data)
+    r = get("bytes=990-")
+    assert r.status_code == 206 and r.content == data[990:1000] and r.headers["Content-Range"] == "bytes 990-999/1000"
+
+
 def test_upload_folder_regular_and_lfs_files(hub_server, tmp_path):
     hub_server.lfs_threshold = 1024 * 1024  # text files >= 1 MiB go through LFS, like >= 10 MiB on the Hub
     hub_server.multipart_chunk_size = 1024 * 1024  # and LFS objects > 1 MiB use the multipart transfer
