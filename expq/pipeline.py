@@ -1,7 +1,7 @@
 """Executing a plan: source tensors through one pipeline per device into the output shards, with bounded memory.
 
-Work is handed out by source shard (a *unit*: the jobs whose main tensor lives in that file), largest first, to
-whichever device pipeline is free. A pipeline is three threads joined by bounded queues, so that reading, computing
+Work is handed out by source shard (a *unit*: the jobs whose main tensor lives in that file) to whichever device
+pipeline is free: in file order with one device, the largest first with several. A pipeline is three threads joined by bounded queues, so that reading, computing
 and writing overlap:
 
 * **read**: the stored bytes of the next job, one ``readinto`` of each tensor's whole span (into pinned host memory
@@ -392,17 +392,23 @@ def _write_order(job_item: tuple[int, Job]) -> tuple:
     return big.shard, -max(1, DTYPE_BITS[big.dtype] // 8), i
 
 
-def make_units(plan: Plan, todo: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
+def make_units(plan: Plan, todo: list[tuple[int, Job]], largest_first: bool = True) -> list[list[tuple[int, Job]]]:
     """The jobs still to run, cut into units of work: one per source shard (the file of each job's main tensor),
-    the largest first (ties in file order), each in write order.
+    each in write order.
 
     Args:
         todo: (job index, job) pairs, in plan order.
+        largest_first: hand the largest units out first (several devices: the last units to finish are the
+            small ones, so no device idles long at the end); else in file order (one device: output shards then
+            complete one after another, so an interrupted run keeps the most finished shards and a streamed source
+            the fewest shards to fetch again).
     """
     by_file: dict[str, list[tuple[int, Job]]] = {}
     for ij in todo:
         by_file.setdefault(ij[1].source.file, []).append(ij)
     units = [sorted(u, key=_write_order) for u in by_file.values()]
+    if not largest_first:
+        return units
     return sorted(units, key=lambda u: -sum(j.source.nbytes_stored for _, j in u))
 
 
@@ -439,7 +445,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             todo.append((i, j))
         elif on_progress:
             on_progress(j.source.nbytes_stored, len(shards.closed))
-    units = make_units(plan, todo)
+    units = make_units(plan, todo, largest_first=len(devices) > 1)
     for u in units:
         run.units.put(u)
         for _, j in u:

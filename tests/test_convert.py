@@ -278,8 +278,9 @@ def test_pipeline_memory_is_bounded_by_its_budget(tmp_path, converted, monkeypat
 
 
 def test_units_are_source_shards_largest_first_in_write_order(converted):
-    """Work is handed out per source shard, the largest first; within a shard, jobs run in the order their largest
-    outputs lie in the output file (so a shard fills front to back and its hash follows the writes)."""
+    """Work is handed out per source shard, the largest first for several devices (in file order for one); within
+    a shard, jobs run in the order their largest outputs lie in the output file (so a shard fills front to back and
+    its hash follows the writes)."""
     from expq.pipeline import make_units
     from expq.plan import make_plan
     from expq.source import open_source
@@ -289,6 +290,9 @@ def test_units_are_source_shards_largest_first_in_write_order(converted):
     units = make_units(plan, list(enumerate(plan.jobs)))
     sizes = [sum(j.source.nbytes_stored for _, j in u) for u in units]
     assert sizes == sorted(sizes, reverse=True) and len(units) == len({j.source.file for j in plan.jobs}) > 1
+    in_order = make_units(plan, list(enumerate(plan.jobs)), largest_first=False)
+    files = [u[0][1].source.file for u in in_order]
+    assert files == sorted(files) and sorted(files) == sorted(u[0][1].source.file for u in units)
     assert sorted(i for u in units for i, _ in u) == list(range(len(plan.jobs)))
     for u in units:
         assert len({j.source.file for _, j in u}) == 1

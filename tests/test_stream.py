@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import expq
 from expq.cli import app
 from expq.errors import HubError, SourceError, UsageError
+from expq.pipeline import make_units
 from expq.streaming import DEFAULT_AHEAD, ShardStream, open_stream, stream_folder
 
 REPO = "org/stream-mixtral"
@@ -74,6 +75,13 @@ def leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name != "out")
 
 
+def read_order(folder: Path) -> list[str]:
+    """The source shards in the order a one-device pipeline first reads them (its units, in file order)."""
+    plan = expq.inspect(folder, max_shard_size=SHARD)
+    return list(dict.fromkeys(p.file for u in make_units(plan, list(enumerate(plan.jobs)), largest_first=False)
+                              for _, j in u for p in j.source.parts))
+
+
 def test_stream_matches_the_cached_conversion_within_the_disk_bound(hub_server, repo, reference, tmp_path):
     folder, commit, sizes = repo
     out = tmp_path / "run" / "out"
@@ -98,9 +106,11 @@ def test_stream_matches_the_cached_conversion_within_the_disk_bound(hub_server, 
         assert status == 206 and first + length <= header_end, (path, first, length)
     assert {p for p, st, *_ in before if st == 200} == {p.name for p in folder.iterdir()
                                                         if p.suffix != ".safetensors"}
-    # then each shard was downloaded once, whole, in name order
+    # then each shard was downloaded once, whole, in the order the pipeline first reads them (file order)
+    order = read_order(folder)
+    assert order == sorted(sizes)
     after = hub_server.transfers(REPO)[len(before):]
-    assert [(p, st, a, n) for p, st, a, n in after] == [(p, 200, 0, sizes[p]) for p in sorted(sizes)]
+    assert [(p, st, a, n) for p, st, a, n in after] == [(p, 200, 0, sizes[p]) for p in order]
     # the same command again: OUT is up to date, no shard is downloaded, nothing is left
     hub_server.reset_stats()
     again = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)
@@ -205,7 +215,8 @@ def test_killed_stream_resumes_downloading_only_what_is_still_needed(hub_server,
     kept = sorted(json.loads(journal.read_text())["files"])
     on_disk = sorted(x.name for x in stream.glob("*.safetensors"))
     assert kept and len(on_disk) == DEFAULT_AHEAD + 1 and not out.exists()
-    assert set(on_disk) <= set(first) and first == sorted(first)  # downloaded in order, by the killed run
+    order = read_order(folder)
+    assert set(on_disk) <= set(first) and first == [f for f in order if f in first]  # in order, by the killed run
     # one of the shards the killed run left is cut short since: fetched again, not trusted
     cut = on_disk[-1]
     (stream / cut).write_bytes((stream / cut).read_bytes()[:1000])
