@@ -102,6 +102,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LLMC_PYTHON = REPO / "bench" / ".venv-llmc" / "bin" / "python"
+
+
+def repo_env() -> dict:
+    """This environment with the repository first on PYTHONPATH (and whatever PYTHONPATH already held)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 GIB = 1 << 30
 EXPERT_RE = r"experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
 """A routed-expert projection module of the per-expert layouts built here (Mixtral ``w1/w2/w3``, OLMoE
@@ -740,7 +745,7 @@ def llmc_unavailable(llmc_python: Path) -> str | None:
 def stream_unavailable() -> str | None:
     code = "import inspect, expq.api; print('stream' in inspect.signature(expq.api.convert).parameters)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+                       env=repo_env())
     if p.returncode != 0:
         return "expq does not import: " + (p.stderr.strip().splitlines() or ["?"])[-1]
     if p.stdout.strip() != "True":
@@ -750,7 +755,7 @@ def stream_unavailable() -> str | None:
 
 def inspect_bytes_out(src: Path) -> int:
     p = subprocess.run([sys.executable, "-m", "expq.cli", "inspect", str(src), "--json"], capture_output=True,
-                       text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                       text=True, cwd=REPO, env=repo_env())
     if p.returncode != 0:
         raise RuntimeError(f"expq inspect {src} failed: {p.stderr[-2000:]}")
     return json.loads(p.stdout)["bytes_out"]
@@ -1073,7 +1078,7 @@ def main() -> None:
     if any(v.kind == "stream" and not v.skip for v in variants):
         ctx["stream_skip"] = stream_unavailable()
     subprocess.run([sys.executable, "-c", "import expq.cli, compressed_tensors, transformers, safetensors"],
-                   capture_output=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                   capture_output=True, cwd=REPO, env=repo_env())
 
     results = {"machine": info, "runs_per_variant": a.runs, "variants": [v.name for v in variants], "models": []}
     report: list[str] = []
