@@ -232,12 +232,13 @@ _local = threading.local()
 
 
 def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """This thread's quotient buffer for one row block (kept between blocks: no allocation per block)."""
-    key = (dtype, device, cols)
+    """This thread's quotient buffer for one row block (kept between blocks and matrices: no allocation per block;
+    grown when a larger block comes)."""
+    key = (dtype, device)
     buf = getattr(_local, "buf", None)
-    if buf is None or buf[0] != key or buf[1].shape[0] < rows:
-        _local.buf = buf = (key, torch.empty((rows, cols), dtype=dtype, device=device))
-    return buf[1][:rows]
+    if buf is None or buf[0] != key or buf[1].numel() < rows * cols:
+        _local.buf = buf = (key, torch.empty(rows * cols, dtype=dtype, device=device))
+    return buf[1][: rows * cols].view(rows, cols)
 
 
 _QUIET_NAN = {torch.bfloat16: (torch.int16, 0x7FC0), torch.float16: (torch.int16, 0x7E00),

@@ -464,6 +464,7 @@ def _bytes_of(data) -> memoryview:
 
 
 HASH_CHUNK = 16 << 20  # bytes read back per step by the shard hasher
+HASH_MEMORY = 256 << 20  # written bytes at most kept for the hasher to hash from memory (past that: read back)
 _SYNC_FILE_RANGE_WRITE = 2  # Linux <fcntl.h>: start writeback of dirty pages in the range, do not wait
 
 
@@ -489,8 +490,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 class _ShardHash:
     """The sha256 of one output shard, computed while it is written: it follows the contiguous written prefix,
-    reading the bytes back (from the page cache, just written) in large chunks, so that when the last tensor
-    lands only the tail is left to hash."""
+    hashing a tensor from memory when it lands right there and reading the rest back (from the page cache, just
+    written) in large chunks, so that when the last tensor lands only the tail is left to hash."""
 
     def __init__(self, fd: int, header: bytes, size: int, writeback: bool):
         self.fd = fd
@@ -500,6 +501,13 @@ class _ShardHash:
         self.ready: list[tuple[int, int]] = []  # heap of written (start, end) byte ranges past ``pos``
         self.writeback = writeback  # start writing hashed ranges to disk as we go
         self.synced = False  # the shard's fsync has returned
+
+    def take(self, data: memoryview) -> None:
+        """Hash bytes just written at ``pos`` from memory (no read back)."""
+        self.h.update(data)
+        if self.writeback:
+            start_writeback(self.fd, self.pos, data.nbytes)
+        self.pos += data.nbytes
 
     def advance(self) -> bool:
         """Hash what became contiguous; True once the whole file is hashed."""
@@ -536,7 +544,8 @@ class ShardSet:
         self._hashes: dict[int, _ShardHash] = {}
         self._left = [len(m) for m in self._members]
         self._lock = threading.Condition()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (shard, start, end) for the hasher; None: stop
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the hasher (see _hash_loop); None: stop
+        self._held = 0  # bytes of written tensors waiting in _events to be hashed from memory
         self._hasher: threading.Thread | None = None
         self.error: BaseException | None = None  # what stopped the hasher (a failed read back, fsync or journal)
         self.closed: list[int] = []
@@ -569,7 +578,7 @@ class ShardSet:
         for o in self._members[k]:
             if o.value is not None:
                 self._left[k] -= 1
-                self._events.put((k, len(header) + o.offset, len(header) + o.offset + o.nbytes))
+                self._events.put((k, len(header) + o.offset, len(header) + o.offset + o.nbytes, None))
         return fd, len(header)
 
     def target(self, out: OutTensor) -> tuple[int, int] | None:
@@ -595,13 +604,14 @@ class ShardSet:
         Raises:
             OutputError: the write failed (names the shard and tensor).
         """
-        mv = _bytes_of(data)
-        if mv.nbytes != out.nbytes:
-            raise RuntimeError(f"internal: {out.name} has {mv.nbytes} bytes, planned {out.nbytes}")
+        data = _bytes_of(data)
+        if data.nbytes != out.nbytes:
+            raise RuntimeError(f"internal: {out.name} has {data.nbytes} bytes, planned {out.nbytes}")
         t = self.target(out)
         if t is None:
             return
         fd, pos = t
+        mv = data
         try:
             _faults.hit("write")
             while mv.nbytes:
@@ -610,19 +620,27 @@ class ShardSet:
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.plan.shard_names[out.shard],
                               tensor=out.name) from None
-        self.done(out)
+        self.done(out, data)
 
-    def done(self, out: OutTensor) -> None:
+    def done(self, out: OutTensor, data: memoryview | None = None) -> None:
         """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly). Once the
         last tensor of a shard is written, the shard is fsync'd (in its own thread, while the hasher finishes);
-        once both are done, the journal records its size and sha256."""
+        once both are done, the journal records its size and sha256.
+
+        ``data``: the bytes just written; the hasher hashes them from memory when they are next in the file (else
+        it reads them back later). At most ``HASH_MEMORY`` bytes wait for it this way; past that, none.
+        """
         with self._lock:
             if out.shard in self.kept:
                 return
             self._left[out.shard] -= 1
             fd, base = self._fds[out.shard]
             last = self._left[out.shard] == 0
-        self._events.put((out.shard, base + out.offset, base + out.offset + out.nbytes))
+            if data is not None and self._held + data.nbytes <= HASH_MEMORY:
+                self._held += data.nbytes
+            else:
+                data = None
+        self._events.put((out.shard, base + out.offset, base + out.offset + out.nbytes, data))
         if last and self.fsync:  # flush while the hasher finishes the tail
             threading.Thread(target=self._fsync, args=(out.shard, fd), name="expq-fsync", daemon=True).start()
 
@@ -644,7 +662,14 @@ class ShardSet:
                         raise ev[1]
                     hs.synced = True
                 else:
-                    heapq.heappush(hs.ready, ev[1:])
+                    _, start, end, data = ev
+                    if data is not None:
+                        if start == hs.pos:
+                            hs.take(data)
+                        with self._lock:
+                            self._held -= data.nbytes
+                    if start > hs.pos or data is None:
+                        heapq.heappush(hs.ready, (start, end))
                     hs.advance()
                 if hs.pos >= hs.size and (hs.synced or not self.fsync):
                     self._close(k, hs)
