@@ -181,7 +181,10 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
     Returns:
         (codes int8 [rows, in], scales [rows] in w.dtype, RowReport).
 
-    A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The quotient can be
+    Absmax: ``|w|`` is ``w``'s bits with the sign bit cleared, and for non-negative IEEE values the order of the
+    bits as integers is the order of the values (+inf below every NaN), so the row absmax is taken as the integer
+    maximum of those bits (about twice as fast as ``abs`` then ``amax`` in bf16 on a CPU; the same value, -0.0
+    giving +0.0). A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The quotient can be
     NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the rest of the
     arithmetic is then redone for them by ``quantize_rows``). Clamp: division by a positive scale and rounding are
     both monotonic, so a row's largest rounded quotient magnitude is that of its absmax, ``round(amax / scale)``;
@@ -206,7 +209,8 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
         r1 = min(rows, r0 + step)
         wb, ab, sb = w[r0:r1], amax[r0:r1], scales[r0:r1]
         qb = _scratch(r1 - r0, cols, w.dtype, w.device)
-        torch.amax(torch.abs(wb, out=qb), dim=1, out=ab)
+        bits, sign_off = _MAGNITUDE_BITS[w.dtype]  # |w| as integers: the sign bit cleared (see below)
+        torch.amax(torch.bitwise_and(wb.view(bits), sign_off, out=qb.view(bits)), dim=1, out=ab.view(bits))
         sb.copy_(ab.to(torch.float32).mul_(recip))  # scales_from_absmax, inline
         torch.div(wb, sb.unsqueeze(1), out=qb)  # true division, rounded to w.dtype (first rounding)
         qb.round_()  # half to even (second rounding)
@@ -229,6 +233,8 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
 
 
 _local = threading.local()
+_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float32: (torch.int32, 0x7FFFFFFF)}
 
 
 def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
