@@ -30,6 +30,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from . import parallel
 from .errors import Interrupted, NonFiniteError
 from .plan import Job, OutTensor, Plan
 from .scheme import quantize_matrix
@@ -470,7 +471,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
 @contextmanager
 def cpu_threads(active: bool):
     """While a CPU pipeline runs: torch single-threaded, and a pool of one thread per core for the scheme's row
-    blocks (yields it; None when ``active`` is False). OpenMP teams spin-wait for each other and slow down several
+    blocks and the decoders' bands (``parallel``; yields it; None when ``active`` is False). OpenMP teams spin-wait for each other and slow down several
     times over when the pipeline's read, write and hash threads take a core; plain threads do not."""
     if not active:
         yield None
@@ -479,7 +480,7 @@ def cpu_threads(active: bool):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max(1, cores), thread_name_prefix="expq-rows") as pool:
+        with ThreadPoolExecutor(max(1, cores), thread_name_prefix="expq-rows") as pool, parallel.using(pool):
             yield pool
     finally:
         torch.set_num_threads(before)

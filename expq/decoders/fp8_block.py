@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import parallel
 from ..errors import SourceError
 from ..source import TensorInfo, TORCH_DTYPES
 from .base import LogicalTensor, ReadFn
@@ -224,11 +225,17 @@ class Fp8BlockDecoder:
         srow = s.reshape(-1, *s.shape[-2:]).repeat_interleave(bc, dim=-1)[..., :cols]
         band = max(1, BAND_BYTES // max(1, 4 * br * cols)) * br  # rows per band, a multiple of br
         full = rows // br * br  # rows in whole block rows; the rest form the last, partial block row
-        for e in range(w3.shape[0]):
-            for r0 in range(0, full, band):
-                r1 = min(full, r0 + band)
-                x = w3[e, r0:r1].to(torch.float32).view(-1, br, cols)  # [block rows, br, cols]
-                o3[e, r0:r1].view(-1, br, cols).copy_(x * srow[e, r0 // br: r1 // br, None, :])
-            if full < rows:
+        if parallel.pool() is not None:  # bands spread over the conversion's pool: one block row each (in cache)
+            band = br
+
+        def one(er: tuple[int, int]) -> None:
+            e, r0 = er
+            r1 = min(full, r0 + band)
+            x = w3[e, r0:r1].to(torch.float32).view(-1, br, cols)  # [block rows, br, cols]
+            o3[e, r0:r1].view(-1, br, cols).copy_(x * srow[e, r0 // br: r1 // br, None, :])
+
+        parallel.each(one, [(e, r0) for e in range(w3.shape[0]) for r0 in range(0, full, band)])
+        if full < rows:
+            for e in range(w3.shape[0]):
                 o3[e, full:] = w3[e, full:].to(torch.float32) * srow[e, -1]
         return out
