@@ -182,18 +182,23 @@ def test_packing_equals_the_library_word_for_word(cols):
     assert torch.equal(back, unpack_from_int32(whole[:700], 8, torch.Size([700, cols])))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [None, 1, 7 * 96, 10**9])
-def test_quantize_matrix_in_row_blocks_is_bit_identical(dtype, block):
-    """``quantize_matrix`` (row blocks on a CPU) equals the reference on the whole matrix, bit for bit, whatever the
-    block size, including zero, -0.0, NaN, +-inf and underflowing rows (NaN scales stored canonical)."""
-    w = torch.cat([adversarial_rows(dtype), random_rows(dtype, rows=300, cols=96, low=-8)])
+def with_special_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with row 3 all zero, row 5 all -0.0, a NaN in rows 7 and 13 (-NaN), +inf in row 9, row 11 all -inf."""
     w[3] = 0
     w[5] = -0.0
     w[7, 3] = float("nan")
     w[9, 1] = float("inf")
     w[11, :] = float("-inf")
     w[13, 2] = -float("nan")
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 1, 7 * 96, 10**9])
+def test_quantize_matrix_in_row_blocks_is_bit_identical(dtype, block):
+    """``quantize_matrix`` (row blocks on a CPU) equals the reference on the whole matrix, bit for bit, whatever the
+    block size, including zero, -0.0, NaN, +-inf and underflowing rows (NaN scales stored canonical)."""
+    w = with_special_rows(torch.cat([adversarial_rows(dtype), random_rows(dtype, rows=300, cols=96, low=-8)]))
     codes, scales, rep = scheme.quantize_matrix(w, block)
     ref_c, ref_s = seed_reference(w, cuda_scalar_rule=True)
     ok = torch.isfinite(w).all(dim=1) & (w.abs().amax(dim=1) > 0)  # the seed's cast of NaN (0/0) is undefined

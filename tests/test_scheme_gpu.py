@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import example, seed_reference, tree_digest
-from test_scheme import adversarial_rows, random_rows
+from test_scheme import adversarial_rows, random_rows, with_special_rows
 
 import expq
 from expq import scheme
@@ -34,13 +34,7 @@ def test_cpu_and_cuda_equal_seed_on_cuda(dtype, kind):
 def test_special_rows_same_bits_on_cpu_and_cuda(dtype):
     """Zero, -0.0, NaN, +-inf and underflowing rows: codes, scales (NaN canonical) and the row report are the same
     on both devices, so an --allow-nonfinite conversion does not depend on the device either."""
-    w = random_rows(dtype, rows=64, cols=96, low=-8)
-    w[3] = 0
-    w[5] = -0.0
-    w[7, 3] = float("nan")
-    w[9, 1] = float("inf")
-    w[11, :] = float("-inf")
-    w[13, 2] = -float("nan")
+    w = with_special_rows(random_rows(dtype, rows=64, cols=96, low=-8))
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     (c0, s0, r0), (c1, s1, r1) = (scheme.quantize_matrix(w.to(d)) for d in ("cpu", "cuda"))
     assert torch.equal(c0, c1.cpu()) and torch.equal(s0.view(bits), s1.cpu().view(bits)) and r0 == r1
