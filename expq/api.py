@@ -109,7 +109,9 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         out: the output directory: must not exist or be empty, unless ``overwrite``.
         format: output format; ``compressed-tensors`` (pack-quantized W8A16, channel-wise).
         dtype: compute dtype: ``auto`` (vLLM's ``--dtype auto`` rule), ``bfloat16``, ``float16`` or ``float32``.
-        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...`` (results are identical on all).
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...`` (results are identical on all; one
+            pipeline per device, see ``pipeline``). While a CPU pipeline runs, torch is held to one intra-op thread
+            and the arithmetic goes through expq's own pool of one thread per core (restored afterwards).
         max_shard_size: largest output shard, e.g. ``"5GB"``.
         layout: a layout file (``configs/*.toml`` format) for an architecture expq does not know.
         allow_nonfinite: quantize rows holding NaN/inf as vLLM would instead of refusing them.
