@@ -20,7 +20,10 @@ shard writes, and one commit point.
   finished are removed; the journal stays consistent.
 
 Shards are written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive
-in any order from any device and no output shard is ever held in memory.
+in any order from any device and no output shard is ever held in memory. A hasher thread computes each shard's
+sha256 as it fills (following the contiguous written prefix: from memory when a tensor lands there, else read back
+from the page cache), starts the disk writing the hashed ranges (``sync_file_range``), and once the shard's last
+tensor is written and its fsync (run at once, in its own thread) has returned, records it in the journal.
 
 Fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into a
 shard), ``rename`` (the commit's rename or exchange, and the moves of the fallback) or ``fsync`` (any file or folder
