@@ -44,6 +44,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import parallel
 from ..errors import SourceError
 from ..source import TensorInfo
 from .base import LogicalTensor, ReadFn
@@ -165,7 +166,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 ``blocks`` uint8 ``[E, R, G, 16]`` and ``scales`` uint8 ``[E, R, G]`` -> bfloat16 ``[E, G*32, R]``.
 
     The formula is in ``Mxfp4Decoder.decode``. Works through one expert and at most ``CHUNK_BYTES`` of blocks at a
-    time, on the CPU; the inputs are not modified.
+    time, on the CPU (chunks spread over the conversion's thread pool during a CPU conversion, ``parallel``); the
+    inputs are not modified.
 
     Raises:
         ValueError: wrong dtypes or shapes (``Mxfp4Decoder`` checks them before, naming the tensor).
@@ -179,12 +181,15 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out = torch.empty(E, G * BLOCK, R, dtype=torch.bfloat16)
     pairs = _pair_table().view(torch.int32).view(-1)  # one gather a byte: both bf16 values as one 32-bit word
     rows = max(1, CHUNK_BYTES // max(1, G * BLOCK_BYTES))
-    for e in range(E):
-        for r0 in range(0, R, rows):
-            r1 = min(R, r0 + rows)
-            idx = scales[e, r0:r1].to(torch.int32).unsqueeze(-1) * 256 + blocks[e, r0:r1].to(torch.int32)
-            bits = pairs.index_select(0, idx.reshape(-1))  # [rows*G*16] words, each (low nibble, high nibble)
-            out[e, :, r0:r1] = bits.view(torch.bfloat16).view(r1 - r0, G * BLOCK).t()
+
+    def chunk(er: tuple[int, int]) -> None:
+        e, r0 = er
+        r1 = min(R, r0 + rows)
+        idx = scales[e, r0:r1].to(torch.int32).unsqueeze(-1) * 256 + blocks[e, r0:r1].to(torch.int32)
+        bits = pairs.index_select(0, idx.reshape(-1))  # [rows*G*16] words, each (low nibble, high nibble)
+        out[e, :, r0:r1] = bits.view(torch.bfloat16).view(r1 - r0, G * BLOCK).t()
+
+    parallel.each(chunk, [(e, r0) for e in range(E) for r0 in range(0, R, rows)])  # the conversion's pool, if any
     return out
 
 
