@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shlex
 import signal
 import threading
 import time
@@ -282,7 +283,7 @@ def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) 
         parts += ["--layout", Path(plan.layout.path).name]
     if allow_nonfinite:
         parts.append("--allow-nonfinite")
-    return " ".join(parts)
+    return shlex.join(parts)
 
 
 def _source_card(source: Source) -> dict:

@@ -175,8 +175,14 @@ class OutputDir:
         self.journal_path = parent / f".{name}{JOURNAL}"
         self.lock_path = parent / f".{name}{LOCK}"
         self.old_path = parent / f".{name}{OLD}"
-        parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _acquire(self.lock_path, self.out)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _acquire(self.lock_path, self.out)
+        except OSError as e:
+            if isinstance(e, ExpqError):
+                raise
+            raise UsageError(f"cannot write beside OUT in {parent} ({e.strerror or e}): expq keeps its lock, journal "
+                             "and partial output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
         self.kept: dict[str, dict] = {}
         self._journal: dict = {}
@@ -373,18 +379,22 @@ class OutputDir:
             fsync_path(d)
         self._write_journal(self._journal, phase="swap")
         parent = self.out.parent
-        if self.out.is_dir() and any(self.out.iterdir()):
-            if _exchange(self.staging, self.out):
-                self._write_journal(self._journal, phase="swapped")
-                shutil.rmtree(self.staging)  # the old checkpoint, now under the staging name
+        try:
+            if self.out.is_dir() and any(self.out.iterdir()):
+                if _exchange(self.staging, self.out):
+                    self._write_journal(self._journal, phase="swapped")
+                    shutil.rmtree(self.staging)  # the old checkpoint, now under the staging name
+                else:
+                    _rename(self.out, self.old_path)
+                    self._write_journal(self._journal, phase="moved-old")
+                    _rename(self.staging, self.out)
+                    self._write_journal(self._journal, phase="swapped")
+                    shutil.rmtree(self.old_path)
             else:
-                _rename(self.out, self.old_path)
-                self._write_journal(self._journal, phase="moved-old")
-                _rename(self.staging, self.out)
-                self._write_journal(self._journal, phase="swapped")
-                shutil.rmtree(self.old_path)
-        else:
-            _rename(self.staging, self.out)  # onto a missing or empty OUT
+                _rename(self.staging, self.out)  # onto a missing or empty OUT
+        except OSError as e:
+            raise OutputError(f"cannot move the finished conversion into place: {e.strerror or e}; re-run the same "
+                              "command to finish", file=str(self.out)) from None
         fsync_path(parent)
         self._drop_journal()
         fsync_path(parent)
@@ -446,11 +456,34 @@ def _manifest_fingerprint(out: Path) -> dict | None:
 
 
 def _differences(old: dict | None, new: dict) -> str:
+    """What differs between two settings fingerprints, for a one-line message: key by key (nested dicts by their
+    dotted keys), and for file lists (``[[name, size, hashes...], ...]``) the names of the files that differ."""
     if not isinstance(old, dict):
         return "its settings are not recorded"
-    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    shown = [f"{k}: {_short(old.get(k))} -> {_short(new.get(k))}" for k in keys[:4]]
-    return "; ".join(shown) + (f"; and {len(keys) - 4} more" if len(keys) > 4 else "") if keys else "none"
+    shown = _diff_items("", old, new)
+    return "; ".join(shown[:4]) + (f"; and {len(shown) - 4} more" if len(shown) > 4 else "") if shown else "none"
+
+
+def _diff_items(prefix: str, old: dict, new: dict) -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b, key = old.get(k), new.get(k), prefix + k
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff_items(key + ".", a, b)
+        elif _is_file_list(a) and _is_file_list(b):
+            fa, fb = {str(e[0]): e for e in a}, {str(e[0]): e for e in b}
+            changed = [n for n in sorted(set(fa) | set(fb)) if fa.get(n) != fb.get(n)]
+            out.append(f"{key}: {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} "
+                       f"{'differ' if len(changed) > 1 else 'differs'} (size or content)")
+        else:
+            out.append(f"{key}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _is_file_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(e, list) and e for e in v)
 
 
 def _short(v) -> str:

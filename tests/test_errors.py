@@ -263,7 +263,31 @@ def test_overwrite_failure_keeps_the_old_checkpoint(tmp_path, tmp_path_factory):
     code, text = expq_subprocess("convert", example(tmp_path_factory, "qwen3_moe"), out, "--device", "cpu",
                                  "--overwrite", "--max-shard-size", "40KB", fault="rename:1:eio")  # the swap fails
     assert code == 1 and "Input/output error" in text and "Traceback" not in text, text
+    assert f"file {out}: cannot move the finished conversion into place" in text, text
     assert tree_digest(out) == before  # the old checkpoint, complete, and nothing of the new one
+
+
+def test_a_changed_source_file_is_named_when_the_settings_differ(tmp_path, tmp_path_factory):
+    """OUT holds a conversion of an earlier version of SRC: the refusal names the source file that differs."""
+    src = tmp_path / "src"
+    shutil.copytree(example(tmp_path_factory, "mixtral"), src)
+    out = tmp_path / "out"
+    expq.convert(src, out, device="cpu", max_shard_size="40KB")
+    shard = sorted(src.glob("*.safetensors"))[2]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 1  # same size, one byte of the last tensor
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UsageError) as e:
+        expq.convert(src, out, device="cpu", max_shard_size="40KB")
+    assert f"source.files: {shard.name} differs (size or content)" in str(e.value), str(e.value)
+
+
+def test_out_whose_parent_cannot_hold_expq_files_is_one_line(tmp_path, tmp_path_factory):
+    (tmp_path / "afile").write_text("not a directory")
+    out = tmp_path / "afile" / "out"
+    with pytest.raises(UsageError) as e:
+        expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu")
+    assert f"file {out}: cannot write beside OUT in {out.parent}" in str(e.value), str(e.value)
 
 
 def test_second_conversion_into_the_same_out_is_refused(tmp_path, tmp_path_factory):
