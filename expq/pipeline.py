@@ -170,7 +170,6 @@ class _Run:
         self.errors: list[BaseException] = []
         self.units: queue.SimpleQueue = queue.SimpleQueue()
         self.readers: dict[str, int] = {}
-        self.cpu_workers: ThreadPoolExecutor | None = None  # row blocks of CPU pipelines (see cpu_threads)
 
     def halted(self) -> bool:
         return self.stop.is_set() or self.failed.is_set()
@@ -294,7 +293,7 @@ class _DevicePipeline:
         t = self._logical(item)
         w = et.to_rows(t.to(self.device, non_blocking=True).to(plan.compute_dtype)).contiguous()
         del t
-        codes, scales, rep = quantize_matrix(w, workers=None if self.cuda else self.run.cpu_workers)
+        codes, scales, rep = quantize_matrix(w)
         del w
         item.rows_found = _rows_found(job, rep, plan, self.run.allow_nonfinite)
         encoded = plan.format.encode(codes, scales, et.matrices)
@@ -453,7 +452,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             for f in dict.fromkeys(p.file for p in j.source.parts):
                 run.readers[f] = run.readers.get(f, 0) + 1
     pipes = [_DevicePipeline(run, d) for d in devices]
-    with cpu_threads(any(d.type == "cpu" for d in devices)) as run.cpu_workers:
+    with cpu_threads(any(d.type == "cpu" for d in devices)):
         _run_pipelines(run, pipes, shards, feeder, on_progress)
     for p in pipes:
         key = str(p.device)
@@ -471,17 +470,17 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
 @contextmanager
 def cpu_threads(active: bool):
     """While a CPU pipeline runs: torch single-threaded, and a pool of one thread per core for the scheme's row
-    blocks and the decoders' bands (``parallel``; yields it; None when ``active`` is False). OpenMP teams spin-wait for each other and slow down several
+    blocks and the decoders' bands (``parallel``; nothing when ``active`` is False). OpenMP teams spin-wait for each other and slow down several
     times over when the pipeline's read, write and hash threads take a core; plain threads do not."""
     if not active:
-        yield None
+        yield
         return
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max(1, cores), thread_name_prefix="expq-rows") as pool, parallel.using(pool):
-            yield pool
+            yield
     finally:
         torch.set_num_threads(before)
 

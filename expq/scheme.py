@@ -25,10 +25,11 @@ they are refused unless explicitly allowed.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
+
+from . import parallel
 
 INT8_MAX = 127
 """Largest code magnitude: vLLM clamps to [-127, 127] (symmetric; -128 is never produced)."""
@@ -166,17 +167,13 @@ CPU_BLOCK_ELEMS = 1 << 20
 passes run over it, each using every core (torch's intra-op threads); measured best of 64K-4M on 2 cores."""
 
 
-def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
-                    workers: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
+def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
     """``quantize_rows`` plus the row report, computing the absmax once: bit-identical to ``quantize_rows(w)``.
 
     Args:
         w: [rows, in] in the compute dtype, on any device.
         block_elems: elements per row block (default: ``CPU_BLOCK_ELEMS`` on a CPU, the whole matrix on a GPU). The
             result does not depend on it: every row is computed on its own.
-        workers: a thread pool that runs the row blocks concurrently (a CPU conversion runs torch single-threaded
-            and spreads blocks over one thread per core: OpenMP's spinning teams collapse when the cores are
-            shared with the pipeline's I/O threads). None: blocks in turn, in this thread.
 
     Returns:
         (codes int8 [rows, in], scales [rows] in w.dtype, RowReport).
@@ -184,12 +181,16 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
     Absmax: ``|w|`` is ``w``'s bits with the sign bit cleared, and for non-negative IEEE values the order of the
     bits as integers is the order of the values (+inf below every NaN), so the row absmax is taken as the integer
     maximum of those bits (about twice as fast as ``abs`` then ``amax`` in bf16 on a CPU; the same value, -0.0
-    giving +0.0). A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The quotient can be
-    NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the rest of the
+    giving +0.0). A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The
+    quotient can be NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the rest of the
     arithmetic is then redone for them by ``quantize_rows``). Clamp: division by a positive scale and rounding are
     both monotonic, so a row's largest rounded quotient magnitude is that of its absmax, ``round(amax / scale)``;
     where no row of a block exceeds 127 the clamp changes nothing and is skipped (nearly always: it can only bite
     when the scale rounded far below amax/127, i.e. subnormal fp16 scales).
+
+    The blocks go through ``parallel.each``: spread over the conversion's thread pool while a CPU conversion runs
+    (torch single-threaded, one thread per core: OpenMP's spinning teams collapse when the cores are shared with the
+    pipeline's I/O threads), in turn in this thread otherwise.
 
     Raises:
         ValueError: ``w`` is not 2-D or not a float tensor.
@@ -203,7 +204,6 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
     codes = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
     amax = torch.empty(rows, dtype=w.dtype, device=w.device)
     scales = torch.empty(rows, dtype=w.dtype, device=w.device)
-    recip = _RECIP_INT8_MAX.to(w.device)
 
     def block(r0: int) -> None:
         r1 = min(rows, r0 + step)
@@ -211,20 +211,14 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None,
         qb = _scratch(r1 - r0, cols, w.dtype, w.device)
         bits, sign_off = _MAGNITUDE_BITS[w.dtype]  # |w| as integers: the sign bit cleared (see below)
         torch.amax(torch.bitwise_and(wb.view(bits), sign_off, out=qb.view(bits)), dim=1, out=ab.view(bits))
-        sb.copy_(ab.to(torch.float32).mul_(recip))  # scales_from_absmax, inline
+        sb.copy_(scales_from_absmax(ab))
         torch.div(wb, sb.unsqueeze(1), out=qb)  # true division, rounded to w.dtype (first rounding)
         qb.round_()  # half to even (second rounding)
         if bool((torch.div(ab, sb).round_() > INT8_MAX).any()):  # see "clamp" below
             qb.clamp_(-INT8_MAX, INT8_MAX)
         codes[r0:r1].copy_(qb)
 
-    starts = range(0, rows, step)
-    if workers is None or len(starts) == 1:
-        for r0 in starts:
-            block(r0)
-    else:
-        for _ in workers.map(block, starts):
-            pass
+    parallel.each(block, range(0, rows, step))
     nan_rows = ~(scales != 0) | ~torch.isfinite(scales)  # only there can w / scale be NaN (0/0, x/NaN, inf/inf)
     if bool(nan_rows.any()):
         codes[nan_rows] = quantize_rows(w[nan_rows], scales[nan_rows])[0]
