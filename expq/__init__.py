@@ -28,3 +28,16 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module(f"expq.{mod}"), name)
+
+
+def _register_with_transformers() -> None:
+    try:
+        from .engines.transformers import register
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    register()
+
+
+from .engines import after_import as _after_import  # noqa: E402
+
+_after_import("transformers", _register_with_transformers)

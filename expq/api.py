@@ -15,7 +15,7 @@ from typing import Callable
 from . import __version__
 from .devices import parse_devices, warm_up
 from .errors import HubError, Interrupted, UsageError
-from .formats import FORMATS
+from .formats import AUTO, FORMATS
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
 from .pipeline import RunStats, run_plan
@@ -70,13 +70,14 @@ class ConvertReport:
 
 
 def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path | Layout | None = None,
-            dtype: str = "auto", max_shard_size: str | int = "5GB", token: str | None = None) -> Plan:
+            dtype: str = "auto", max_shard_size: str | int = "5GB", token: str | None = None,
+            format: str = DEFAULT_FORMAT) -> Plan:
     """What ``convert`` would do, without writing anything.
 
     Args:
         src: a local checkpoint directory or a Hub repo id (see ``source.resolve_source``).
         revision, token: for Hub repo ids.
-        layout, dtype, max_shard_size: as for ``convert``.
+        layout, dtype, max_shard_size, format: as for ``convert``.
 
     Returns:
         the Plan (``plan.summary()`` is a JSON-ready description).
@@ -87,7 +88,7 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
     """
     source = resolve_source(src, revision=revision, token=token)
     try:
-        return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size)
+        return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -108,7 +109,10 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         src: a local checkpoint directory or a Hub repo id (``revision``, ``token``; the user's cache and login,
             ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are honoured). Never modified.
         out: the output directory: must not exist or be empty, unless ``overwrite``.
-        format: output format; ``compressed-tensors`` (pack-quantized W8A16, channel-wise).
+        format: output format: ``auto`` (the family's default, see ``inspect``), ``compressed-tensors``
+            (pack-quantized W8A16 channel-wise, what stock vLLM and transformers load) or ``experts-int8`` (int8
+            codes and fp32 scales as vLLM's experts_int8 holds them; served by expq's vLLM plugin and loaded by
+            transformers after ``import expq``; stock clients refuse it).
         dtype: compute dtype: ``auto`` (vLLM's ``--dtype auto`` rule), ``bfloat16``, ``float16`` or ``float32``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...`` (results are identical on all; one
             pipeline per device, see ``pipeline``). While a CPU pipeline runs, torch is held to one intra-op thread
@@ -133,8 +137,8 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         On any error nothing is left under a final name in ``out``.
     """
     t0 = time.perf_counter()
-    if format not in FORMATS:
-        raise UsageError(f"unknown --format {format!r}; supported: {', '.join(FORMATS)}")
+    if format not in FORMATS and format != AUTO:
+        raise UsageError(f"unknown --format {format!r}; supported: {AUTO}, {', '.join(FORMATS)}")
     devices = parse_devices(device)
     warm_up(devices)
     with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
@@ -273,7 +277,7 @@ def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) 
     parts = ["expq", "convert", src, "OUT"]
     if plan.source.repo_id and plan.source.commit:
         parts += ["--revision", plan.source.commit]
-    if plan.format.name != DEFAULT_FORMAT:
+    if plan.format.name != plan.layout.default_format:
         parts += ["--format", plan.format.name]
     if dtype != "auto":
         parts += ["--dtype", dtype]

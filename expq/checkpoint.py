@@ -16,7 +16,7 @@ import torch
 
 from .errors import LayoutError, SourceError
 from .experts import ExpertMap, w13_rows
-from .formats import FORMATS, Format, get_format
+from .formats import FORMATS, Format, format_for_quant_method, get_format
 from .layouts import Layout, builtin_layout, detect_layout, parse_layout
 from .manifest import MANIFEST, Manifest
 from .scheme import COMPUTE_DTYPES
@@ -107,8 +107,7 @@ class ConvertedCheckpoint:
                 raise SourceError(f"format {self.manifest.format!r} is not an expq output format (known: "
                                   f"{', '.join(FORMATS)})", file=str(self.root / MANIFEST))
             return self.manifest.format
-        method = self.quantization_config.get("quant_method")
-        return method if method in FORMATS else next(iter(FORMATS))
+        return format_for_quant_method(self.quantization_config.get("quant_method")) or next(iter(FORMATS))
 
     # --- what callers ask -----------------------------------------------------------------------------------------
     @property

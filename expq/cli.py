@@ -100,7 +100,8 @@ def _human(n: float) -> str:
 def convert(
     src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory (must not exist or be empty).")],
-    format: Annotated[str, typer.Option("--format", help="Output format.")] = "compressed-tensors",
+    format: Annotated[str, typer.Option("--format", help="Output format: auto (the family's default; inspect says "
+                                        "which and why), compressed-tensors or experts-int8.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (vLLM's --dtype auto rule), bfloat16, float16, "
                                             "float32.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or cuda:0,cuda:1,...")] = "auto",
@@ -216,6 +217,7 @@ def inspect(
     layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard.")] = "5GB",
+    format: Annotated[str, typer.Option("--format", help="Output format (as for convert).")] = "auto",
     token: Annotated[Optional[str], typer.Option(help="Hub token.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor and what happens to it.")] = False,
@@ -226,7 +228,7 @@ def inspect(
     quiet_hub_bars()
     with errors_to_exit_codes():
         plan = api_inspect(src, revision=revision, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
-                           token=token)
+                           token=token, format=format)
     s = plan.summary()
     if tensors:
         s["tensors"] = plan.tensor_table()
@@ -247,7 +249,9 @@ def inspect(
                              f"({_human(s['bytes_quantized_in'])})"),
              ("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
                          f"{len(s['side_files'])} side files"),
-             ("output format", s["format"]),
+             ("output format", f"{s['format']}: {s['format_reason']}"),
+             *((f"  {c['engine']}", c["command"] if c["loads"] else f"cannot: {c['note']}")
+               for c in s["clients"]),
              ("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
     for how, n in s["decoded_as"].items():
         rows.append(("decoded from the source format", f"{n} {how}"))

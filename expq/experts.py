@@ -190,6 +190,12 @@ class ExpertMap:
         mod = self.layout.out_module.format(expert=expert)
         return f"{self.prefix}{self.layout.layers}.{layer}.{mod}.{self.layout.out_names[proj]}"
 
+    def stock_weight_name(self, layer: int) -> str:
+        """The tensor name stock transformers loads a MoE layer's fused experts weight from (its in-memory experts
+        module and weight, layout ``[runtime]``), e.g. ``model.layers.3.mlp.experts.gate_up_proj``."""
+        lay = self.layout
+        return f"{self.prefix}{lay.layers}.{layer}.{lay.runtime_module}.{lay.runtime_weight}"
+
     def parse_module(self, module: str) -> tuple[int, int, str] | None:
         """(layer, expert, proj) of an output module name of a quantized routed expert, else None (also for
         layers past ``num_layers``)."""

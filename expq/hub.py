@@ -14,11 +14,12 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import ConvertedCheckpoint
+from .engines.clients import clients
 from .errors import ExpqError, UnreadableInputError, UsageError
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
 
-TAGS = ["moe", "int8", "experts_int8", "compressed-tensors", "expq"]
+TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
 IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
           "*.tmp", "*.partial", "*.lock", "__pycache__/*"]
@@ -103,19 +104,19 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
         raise UsageError(f"no {MANIFEST} in OUT: not written by expq convert, so there is nothing true to say",
                          file=str(out))
     name = repo_id.split("/")[-1]
-    lines = [f"# {name}", "", _card_intro(m), "", *_card_scheme(m), "", *_card_contents(ck, m), "",
+    lines = [f"# {name}", "", _card_intro(m), "", *_card_scheme(ck, m), "", *_card_contents(ck, m), "",
              *_card_how_made(ck, m, name), "", *_card_verification(m, verify_report), "",
              *_card_usage(ck, m, repo_id)]
-    return str(ModelCard(f"---\n{_card_data(m).to_yaml()}\n---\n\n" + "\n".join(lines)))
+    return str(ModelCard(f"---\n{_card_data(ck, m).to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _card_data(m: Manifest):
+def _card_data(ck: ConvertedCheckpoint, m: Manifest):
     from huggingface_hub import ModelCardData
 
     carried = {k: v for k, v in m.source_card.items()
                if k not in ("base_model", "base_model_relation", "tags", "library_name", "model-index",
                             "quantized_by")}
-    tags = list(dict.fromkeys([*(m.source_card.get("tags") or []), *TAGS]))
+    tags = list(dict.fromkeys([*(m.source_card.get("tags") or []), *TAGS, ck.format.name]))
     data = ModelCardData(base_model=m.source.repo_id or None, library_name="transformers", tags=tags, **carried)
     data.base_model_relation = "quantized"
     return data
@@ -140,16 +141,14 @@ def _card_intro_text(src) -> str:
             "quantizes them at load time. Everything else is byte-for-byte the original.")
 
 
-def _card_scheme(m: Manifest) -> list[str]:
+def _card_scheme(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
     p = m.plan
     return ["## Quantization scheme", "",
             f"Per routed-expert weight matrix `w` [out, in], in the compute dtype `{p.compute_dtype}` "
             f"({p.compute_dtype_reason}): `scale = amax(|w|, dim=1) / 127` (one scale per output row), "
             "`q = clamp(round(w / scale), -127, 127)` with round-half-to-even: symmetric int8, per-channel, "
             "weight-only (activations stay 16-bit, W8A16). The codes and scales are bit-identical to vLLM's "
-            "`experts_int8` on CUDA. All-zero rows get scale 0 and codes 0. Stored as compressed-tensors "
-            "`pack-quantized` (8-bit int, `strategy: channel`, `group_size: -1`): per expert projection "
-            f"`weight_packed` int32, `weight_scale` [out, 1] in {p.compute_dtype}, `weight_shape`."]
+            f"`experts_int8` on CUDA. All-zero rows get scale 0 and codes 0. {ck.format.describe()}"]
 
 
 def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
@@ -168,8 +167,9 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]:
     return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
             (m.command or "expq convert SRC OUT").replace(" OUT", " " + name, 1), "```", "",
-            f"expq {m.expq_version}, compressed-tensors config version "
-            f"{ck.quantization_config.get('version', '?')}."]
+            f"expq {m.expq_version}, output format {ck.format.name}" + (
+                f" (compressed-tensors config version {ck.quantization_config['version']})."
+                if "version" in ck.quantization_config else ".")]
 
 
 def _card_verification(m: Manifest, report) -> list[str]:
@@ -187,36 +187,17 @@ def _card_verification(m: Manifest, report) -> list[str]:
 
 
 def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]:
-    advice = shared_facts().vllm
-    lines = ["## How to use it", "", "### vLLM", ""]
-    hidden = m.plan.hidden_size
-    if ck.layout.stock_vllm:
-        lines.append(f"Stock vLLM cannot serve this family in this format: {ck.layout.stock_vllm}. Use "
-                     "`expq.load_model` below, or vLLM's online `--quantization experts_int8` on the base model.")
-    elif hidden and hidden % advice.marlin_hidden_multiple:
-        lines.append(f"vLLM runs this format's int8 experts through Marlin, which needs the hidden size to be a "
-                     f"multiple of {advice.marlin_hidden_multiple}; this model's is {hidden}, so stock vLLM cannot "
-                     "serve it. Use `expq.load_model` below, or vLLM's online `--quantization experts_int8` on the "
-                     "base model.")
-    else:
-        lines += ["```bash", f"vllm serve {repo_id}", "```", "",
-                  "vLLM reads the `quantization_config` and runs the experts through its W8A16 MoE path (Marlin, "
-                  f"which needs the hidden size to be a multiple of {advice.marlin_hidden_multiple}). "
-                  f"{advice.backend_note} {advice.tp_scales_note} {advice.rocm_note}"]
-        if ck.layout.vllm_note:
-            lines += ["", f"Note: {ck.layout.vllm_note}."]
-    lines += ["", "### transformers", ""]
-    if not ck.layout.stock_transformers:
-        lines.append("Stock transformers cannot map per-expert compressed tensors onto this family's stacked "
-                     "experts (it would leave them randomly initialised): use `expq.load_model`.")
-    else:
-        lines += ["```python", "from transformers import AutoModelForCausalLM",
-                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")  # experts dequantized to 16-bit at load',
-                  "```"]
-    return lines + ["", "### expq (experts kept int8 in memory)", "", "```python", "import expq",
-                    "from huggingface_hub import snapshot_download",
-                    f'model = expq.load_model(snapshot_download("{repo_id}"))  # int8 experts, fused-MoE kernel',
-                    "```", ""]
+    """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``)."""
+    lay = ck.layout
+    lines = ["## How to use it", "", f"Format: **{ck.format.name}**" + (
+        f" ({lay.format_reason})." if ck.format.name == lay.default_format and lay.format_reason else ".")]
+    for c in clients(ck.format.name, lay, m.plan.hidden_size):
+        lines += ["", f"### {c.engine}", ""]
+        if c.loads:
+            lines += [f"```{c.language}", c.for_model(repo_id), "```"] + (["", c.note] if c.note else [])
+        else:
+            lines.append(c.note[0].upper() + c.note[1:] + ".")
+    return lines + [""]
 
 
 def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:

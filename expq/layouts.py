@@ -128,12 +128,17 @@ class RuntimeSection(_Schema):
 
     module: Name | None = Field(None, description="a non-empty string")
     forward: Literal["topk", "dense_premultiplied"] = Field("topk", description="topk or dense_premultiplied")
+    weight: Name = Field("gate_up_proj", description="a non-empty string (the module's fused experts weight)")
 
 
 class ClientsSection(_Schema):
-    """``[clients]``: what stock clients do with the compressed-tensors output for this family."""
+    """``[clients]``: what stock clients do with the compressed-tensors output for this family, and the output
+    format ``expq convert`` writes by default for it (and why)."""
 
     transformers: bool = Field(True, description="true or false")
+    format: Literal["compressed-tensors", "experts-int8"] = Field(
+        "compressed-tensors", description="compressed-tensors or experts-int8")
+    format_reason: str = Field("", description="a string")
     vllm: str = Field("", description="a string (why stock vLLM cannot serve it; empty when it can)")
     vllm_note: str = Field("", description="a string")
 
@@ -215,7 +220,10 @@ class Layout:
     router_weight_on_input: bool = False  # Llama-4: the router weight scales the expert input, not its output
     runtime_module: str = ""  # transformers' in-memory experts module inside a decoder layer, e.g. "mlp.experts"
     runtime_forward: str = "topk"  # its calling convention: "topk" or "dense_premultiplied" (see configs/README.md)
+    runtime_weight: str = "gate_up_proj"  # that module's fused experts weight (where stock transformers loads them)
     stock_transformers: bool = True  # stock transformers loads this format for the family
+    default_format: str = "compressed-tensors"  # what `expq convert` writes when --format is not given
+    format_reason: str = ""  # why, for inspect and the card
     stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
     vllm_note: str = ""  # a caveat for some model types of the family
     source_text: str = ""  # the layout file's text (carried in expq.json)
@@ -286,6 +294,7 @@ def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
         moe_layer_rules=tuple(cfg.moe_layer_rules), activation=cfg.activation, expert_biases=_tuple(ex.biases),
         targets_container=out.targets_container, router_weight_on_input=cfg.router_weight_on_input,
         runtime_module=f.runtime.module or ex.module, runtime_forward=f.runtime.forward,
+        runtime_weight=f.runtime.weight, default_format=f.clients.format, format_reason=f.clients.format_reason,
         stock_transformers=f.clients.transformers, stock_vllm=f.clients.vllm, vllm_note=f.clients.vllm_note,
         source_text=text)
 

@@ -18,12 +18,13 @@ import torch
 from .decoders import LogicalTensor
 from .errors import LayoutError, SourceError
 from .experts import ExpertMap, ExpertTensor, Matrix
+from .engines.clients import clients
 from .formats import Format, get_format
 from .layouts import Layout, detect_layout, load_layout, nested_configs
 from .scheme import resolve_compute_dtype
 from .source import DTYPE_BITS, FLOAT_DTYPES, Source
 
-DEFAULT_FORMAT = "compressed-tensors"
+DEFAULT_FORMAT = "auto"  # the family's default format (its layout's [clients] format)
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
@@ -148,9 +149,20 @@ class Plan:
             "bytes_out": self.bytes_out,
             "output_shards": len(self.shard_names),
             "targets": self.format.targets(),
+            "format_reason": self.format_reason(),
+            "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note}
+                        for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,
         }
+
+    def format_reason(self) -> str:
+        """Why this output format: the family's default (and the layout's reason), or the user's choice."""
+        lay = self.layout
+        if self.format.name != lay.default_format:
+            return f"chosen with --format (this family's default is {lay.default_format})"
+        return "this family's default" + (f": {lay.format_reason}" if lay.format_reason else
+                                          ": stock vLLM and transformers load it")
 
     def decoded_as(self) -> dict[str, int]:
         """How the quantized source tensors are decoded: ``"<routed experts|other> <how>"`` -> count."""
@@ -201,7 +213,8 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         layout: a Layout, a layout file path (``--layout FILE``), or None to detect from config.json.
         dtype: ``auto`` or an explicit compute dtype (see ``scheme.resolve_compute_dtype``).
         max_shard_size: the largest output shard, e.g. ``"5GB"`` (a single larger tensor gets a shard of its own).
-        format: the output format (``formats.FORMATS``).
+        format: the output format (``formats.FORMATS``), or ``auto``: the family's default (layout ``[clients]
+            format``: compressed-tensors where stock clients load it, experts-int8 where they cannot).
 
     Returns:
         the Plan.
@@ -215,7 +228,7 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     experts = ExpertMap.from_source(lay, source.config, source.logical)
     compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
     shard_limit = parse_size(max_shard_size)
-    fmt = get_format(format, experts, compute_dtype)
+    fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
     _check_lm_head(source)
     jobs = _build_jobs(source, experts, fmt)

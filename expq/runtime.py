@@ -63,6 +63,9 @@ def _int8_experts_class(base: type, weight_numel: int) -> type:
         def __init__(self, *args, **kwargs):
             with torch.device("meta"):
                 super().__init__(*args, **kwargs)
+            self._become_int8()
+
+        def _become_int8(self) -> None:
             self._drop_dense_weights()
             self.activation = "silu"
             self.forward_kind = "topk"
@@ -192,10 +195,9 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
         raise ExpqError(f"transformers {transformers.__version__} cannot instantiate model_type "
                         f"{ck.config.get('model_type')!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                         file=str(path)) from None
-    base_modules = _experts_modules(skeleton, ck)
-    base = type(next(iter(base_modules.values())))
+    int8_cls = int8_experts_class(skeleton, ck)
+    base = int8_cls.__mro__[1]
     del skeleton
-    int8_cls = _int8_experts_class(base, ck.num_experts * (ck.experts.intermediate_size or 1) * (ck.experts.hidden_size or 1))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # expq loads the experts; transformers must not dequantize them
     kw = dict(from_pretrained_kwargs)
@@ -210,16 +212,63 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     finally:
         tlog.set_verbosity(prev)
     _refuse_missing(model, info, int8_cls, path)
+    attach_int8_experts(model, ck, int8_cls, backend=backend, device=dev)
+    model.eval()
+    return model
+
+
+def int8_experts_class(model, ck: ConvertedCheckpoint) -> type:
+    """The ``Int8<Family>Experts`` subclass of the experts class ``model`` (a transformers model, e.g. on the meta
+    device) uses for ``ck``'s family.
+
+    Raises:
+        LayoutError: the layout's runtime module is not found in the model.
+    """
+    base = type(next(iter(_experts_modules(model, ck).values())))
+    return _int8_experts_class(base, ck.num_experts * (ck.experts.intermediate_size or 1) *
+                               (ck.experts.hidden_size or 1))
+
+
+def make_experts_int8(model, ck: ConvertedCheckpoint) -> type:
+    """Turn every MoE layer's experts module of a freshly built ``model`` (before its weights load) into the int8
+    experts class, in place, without their dense weights; returns that class. What expq's transformers quantizer
+    does before loading (``load_model`` builds the model with the class directly)."""
+    int8_cls = int8_experts_class(model, ck)
+    for mod in _experts_modules(model, ck).values():
+        mod.__class__ = int8_cls
+        mod._become_int8()
+    return int8_cls
+
+
+def attach_int8_experts(model, ck: ConvertedCheckpoint, int8_cls: type, *, backend: str = "auto",
+                        device: torch.device | None = None) -> None:
+    """Read each MoE layer's experts_int8 tensors from ``ck`` and attach them to the model's int8 experts modules
+    (on ``device``, else on the device of the decoder layer's other weights).
+
+    Raises:
+        ExpqError: a layer's experts module is not the int8 class; a module of the checkpoint is missing.
+    """
+    lay = ck.layout
     for L, mod in _experts_modules(model, ck).items():
         if not isinstance(mod, int8_cls):
             raise ExpqError(f"layer {L}: transformers built {type(mod).__name__}, not the int8 experts",
-                            file=str(path))
+                            file=str(ck.root))
+        dev = device if device is not None else _neighbour_device(model, mod)
         mod.attach(ck.layer_experts(L), activation=lay.activation, forward_kind=lay.runtime_forward,
                    on_input=lay.router_weight_on_input and lay.runtime_forward == "topk", device=dev)
         mod.backend = backend
-    model.eval()
     model.expq_layout = lay.name
-    return model
+
+
+def _neighbour_device(model, experts) -> torch.device:
+    """Where the weights next to an experts module live (its decoder layer's), for device maps."""
+    name = next(n for n, m in model.named_modules() if m is experts)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    for owner in (parent, model):
+        for p in owner.parameters():
+            if p.numel() and p.device.type != "meta":
+                return p.device
+    return torch.device("cpu")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

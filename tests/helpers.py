@@ -103,6 +103,14 @@ def decode_output(root: Path) -> dict[tuple[int, int, str], tuple[torch.Tensor, 
     tensors = read_tensors(root)
     out = {}
     for name, t in tensors.items():
+        if name.endswith(".weight_int8"):  # experts-int8: codes int8 [out, in] and fp32 scales [out], unpacked
+            module = name[: -len(".weight_int8")]
+            m = _OUT_NAME.search(module)
+            assert m, f"unexpected quantized module name {module}"
+            scale = tensors[module + ".weight_scale"]
+            assert t.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (t.shape[0],), module
+            out[(int(m[1]), int(m[2]), PROJ_OF[m[3]])] = (t, scale, module)
+            continue
         if not name.endswith(".weight_packed"):
             continue
         module = name[: -len(".weight_packed")]

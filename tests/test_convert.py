@@ -30,7 +30,7 @@ def converted(tmp_path_factory):
         if family not in done:
             src = example(tmp_path_factory, family)
             out = tmp_path_factory.mktemp(f"out-{family}") / "out"
-            report = expq.convert(src, out, max_shard_size=SHARD, device="cpu")
+            report = expq.convert(src, out, max_shard_size=SHARD, device="cpu", format="compressed-tensors")
             done[family] = (src, out, report)
         return done[family]
 

@@ -29,7 +29,7 @@ CASES = [(f, f, torch.bfloat16, {}) for f in FAMILIES] + [
     ("olmoe-fp16-auto", "olmoe", torch.float16, {}),
     ("olmoe-fp32-float32", "olmoe", torch.float32, {"dtype": "float32"}),
     ("olmoe-bf16-float16", "olmoe", torch.bfloat16, {"dtype": "float16"}),
-]
+] + [(f"{f}-experts-int8", f, torch.bfloat16, {"format": "experts-int8"}) for f in ("mixtral", "gpt_oss", "dbrx")]
 UPDATE = os.environ.get("EXPQ_UPDATE_GOLDENS") == "1"
 
 
@@ -57,7 +57,7 @@ def test_fixture_outputs_byte_identical(case, family, dtype, opts, tmp_path, tmp
     src = tmp_path / "src"  # a fixed name: expq.json records the source directory's name
     shutil.copytree(example(tmp_path_factory, family, dtype=dtype), src)
     out = tmp_path / "out"
-    expq.convert(src, out, max_shard_size=SHARD, device="cpu", **opts)
+    expq.convert(src, out, max_shard_size=SHARD, device="cpu", **{"format": "compressed-tensors", **opts})
     _check(case, src, out)
 
 
@@ -65,5 +65,5 @@ def test_demo_output_byte_identical(tmp_path):
     src = build_example("mixtral", tmp_path / "mixtral-demo", dtype=torch.bfloat16, max_shard_size="10MB",
                         **DEMO_CONFIG)
     out = tmp_path / "mixtral-demo-int8"
-    expq.convert(src, out, max_shard_size="10MB", device="cpu")
+    expq.convert(src, out, max_shard_size="10MB", device="cpu", format="compressed-tensors")
     _check("demo", src, out)

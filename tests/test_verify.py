@@ -134,7 +134,7 @@ def test_stray_shard_fails(outputs, tmp_path):
 
 
 def test_bad_quantization_config_fails(outputs, tmp_path):
-    src, out = outputs("granitemoe")
+    src, out = outputs("mixtral")
     bad = corrupt_copy(out, tmp_path)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["Linear"]

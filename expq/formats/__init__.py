@@ -8,10 +8,17 @@ from ..errors import UsageError
 from ..experts import ExpertMap
 from .base import Format, TensorSpec
 from .compressed_tensors import CompressedTensorsFormat
+from .experts_int8 import ExpertsInt8Format
 
-FORMATS: dict[str, type] = {CompressedTensorsFormat.name: CompressedTensorsFormat}
+FORMATS: dict[str, type] = {f.name: f for f in (CompressedTensorsFormat, ExpertsInt8Format)}
+AUTO = "auto"  # the family's default (its layout's ``[clients] format``)
 
-__all__ = ["Format", "TensorSpec", "FORMATS", "get_format"]
+__all__ = ["Format", "TensorSpec", "FORMATS", "AUTO", "get_format", "format_for_quant_method"]
+
+
+def format_for_quant_method(method: object) -> str | None:
+    """The format whose ``quantization_config`` names ``quant_method`` ``method``, else None."""
+    return next((name for name, cls in FORMATS.items() if cls.quant_method == method), None)
 
 
 def get_format(name: str, experts: ExpertMap, compute_dtype: torch.dtype) -> Format:
@@ -22,5 +29,5 @@ def get_format(name: str, experts: ExpertMap, compute_dtype: torch.dtype) -> For
     """
     cls = FORMATS.get(name)
     if cls is None:
-        raise UsageError(f"unknown --format {name!r}; supported: {', '.join(FORMATS)}")
+        raise UsageError(f"unknown --format {name!r}; supported: {AUTO}, {', '.join(FORMATS)}")
     return cls(experts, compute_dtype)

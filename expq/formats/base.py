@@ -5,7 +5,7 @@ specs (names, dtypes, shapes) before anything is written; the pipeline hands it 
 and writes exactly the tensors ``encode`` returns, at the planned places; ``checkpoint`` asks ``decode`` for codes
 and scales back. The format also owns its ``quantization_config`` and the check of it that ``verify`` runs.
 
-To add a format: copy ``formats/compressed_tensors.py``, implement the protocol, and add it to ``formats.FORMATS``.
+To add a format: copy ``formats/experts_int8.py``, implement the protocol, and add it to ``formats.FORMATS``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Format(Protocol):
     """An output format for experts_int8 codes and scales."""
 
     name: ClassVar[str]
+    quant_method: ClassVar[str]  # what its quantization_config calls it
     experts: ExpertMap
     compute_dtype: torch.dtype
 
@@ -59,6 +60,10 @@ class Format(Protocol):
             tensors of exactly the spec's dtype and shape, on the device of ``codes`` (the pipeline copies them
             back to the host).
         """
+        ...
+
+    def describe(self) -> str:
+        """One sentence for the model card: how the codes and scales are stored."""
         ...
 
     def decode(self, module: str, read: ReadByName) -> tuple[torch.Tensor, torch.Tensor]:

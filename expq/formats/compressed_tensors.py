@@ -79,6 +79,7 @@ class CompressedTensorsFormat:
     """
 
     name: ClassVar[str] = "compressed-tensors"
+    quant_method: ClassVar[str] = "compressed-tensors"
     SUFFIXES: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
 
     def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):
@@ -107,6 +108,12 @@ class CompressedTensorsFormat:
             p_spec, s_spec, _ = self.tensor_specs(m)
             out.append([(p_spec, packed[sl]), (s_spec, scale2d[sl])])
         return out
+
+    def describe(self) -> str:
+        """One sentence for the model card: how the codes and scales are stored."""
+        dt = str(self.compute_dtype).removeprefix("torch.")
+        return ("Stored as compressed-tensors `pack-quantized` (8-bit int, `strategy: channel`, `group_size: -1`): "
+                f"per expert projection `weight_packed` int32, `weight_scale` [out, 1] in {dt}, `weight_shape`.")
 
     # --- reading --------------------------------------------------------------------------------------------------
     def decode(self, module: str, read: ReadByName) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,87 @@
+"""Which engines load a converted checkpoint, and with which command: one answer for ``inspect``, the model card and
+the README's client table.
+
+``clients(format, layout, hidden_size)`` returns, for vLLM, transformers and expq's own loader, whether that engine
+loads this family in this format, the exact command (``{model}`` stands for the repo id or directory) and why not
+where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layouts import Layout, shared_facts
+
+
+@dataclass(frozen=True)
+class Client:
+    """One engine's answer. ``language`` is ``bash`` or ``python`` (the command's code-block language); ``command``
+    is None where the engine cannot load the checkpoint (``note`` says why)."""
+
+    engine: str
+    loads: bool
+    language: str
+    command: str | None
+    note: str = ""
+
+    def for_model(self, model: str) -> str | None:
+        """The command with ``{model}`` filled in."""
+        return None if self.command is None else self.command.replace("{model}", model)
+
+    def one_line(self, model: str) -> str | None:
+        """The command on one line, comments dropped (``&&`` between shell commands, ``;`` between statements)."""
+        if self.command is None:
+            return None
+        lines = [ln.split("  #")[0].rstrip() for ln in self.for_model(model).splitlines()]
+        return (" && " if self.language == "bash" else "; ").join(ln for ln in lines if ln)
+
+
+VLLM_PLUGIN = 'pip install "expq[vllm]"  # expq\'s vLLM plugin (an entry point vLLM loads by itself)\nvllm serve {model}'
+TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
+                     'from transformers import AutoModelForCausalLM\n'
+                     'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
+TRANSFORMERS_STOCK = ('from transformers import AutoModelForCausalLM\n'
+                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts dequantized to 16-bit at load')
+EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
+        'model = expq.load_model(snapshot_download("{model}"))  # int8 experts, fused-MoE kernel')
+EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
+
+
+def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = False) -> list[Client]:
+    """vLLM, transformers and expq for checkpoints of ``layout``'s family in output format ``fmt``.
+
+    Args:
+        fmt: ``compressed-tensors`` or ``experts-int8``.
+        hidden_size: the model's (Marlin needs a multiple of 128 for compressed-tensors), or None if unknown.
+        local: the model is a local directory (expq's command then needs no download).
+    """
+    expq = Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)
+    if fmt == "experts-int8":
+        return [Client("vLLM", True, "bash", VLLM_PLUGIN,
+                       "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
+                       "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
+                       "plugin refuses the checkpoint (unknown quantization method)."),
+                Client("transformers", True, "python", TRANSFORMERS_EXPQ,
+                       "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
+                       "markers), never a model with random experts."),
+                expq]
+    advice = shared_facts().vllm
+    if layout.stock_vllm:
+        vllm = Client("vLLM", False, "bash", None, f"stock vLLM cannot serve this family in this format: "
+                      f"{layout.stock_vllm}; use `--format experts-int8` and expq's plugin")
+    elif hidden_size and hidden_size % advice.marlin_hidden_multiple:
+        vllm = Client("vLLM", False, "bash", None, f"vLLM runs this format through Marlin, which needs the hidden "
+                      f"size to be a multiple of {advice.marlin_hidden_multiple}; this model's is {hidden_size}, so "
+                      "use `--format experts-int8` and expq's plugin")
+    else:
+        note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin). {advice.backend_note} "
+                f"{advice.tp_scales_note} {advice.rocm_note}")
+        vllm = Client("vLLM", True, "bash", "vllm serve {model}",
+                      note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""))
+    if layout.stock_transformers:
+        tf = Client("transformers", True, "python", TRANSFORMERS_STOCK)
+    else:
+        tf = Client("transformers", False, "python", None,
+                    "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
+                    "(it would leave them randomly initialised); use `--format experts-int8` or expq.load_model")
+    return [vllm, tf, expq]
