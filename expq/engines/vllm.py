@@ -306,8 +306,19 @@ def routed_weights(weights: Iterable[tuple[str, torch.Tensor]], model_config, mo
     if classify is None:
         raise SourceError(f"{model_config.model} is labelled {QUANT_METHOD} but its format "
                           f"{type(ck.format).__name__} has no expert tensors to route")
+    _warn_dtype(ck, model_config)
     loaders = attach_loaders(model, ck)
     yield from route_weights(itertools.chain([first], it), classify, loaders)
+
+
+def _warn_dtype(ck, model_config) -> None:
+    """Online experts_int8 quantizes in the serving dtype: the stored codes equal it only when the checkpoint was
+    converted in that dtype (expq.json's dtype)."""
+    converted = getattr(getattr(ck.manifest, "options", None), "dtype", None)
+    served = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
+    if converted and served and converted != served:
+        _LOG.warning("%s was converted in %s but is served in %s: outputs will differ from online experts_int8 "
+                     "in %s (serve with --dtype %s)", model_config.model, converted, served, served, converted)
 
 
 def checkpoint_dir(model_config, download_dir: str | None = None) -> Path:
