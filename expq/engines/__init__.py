@@ -1,4 +1,5 @@
-"""Engine integrations for expq checkpoints: transformers (``engines.transformers``) and vLLM (``engines.vllm``).
+"""Engine integrations for expq checkpoints: transformers (``engines.transformers``), vLLM (``engines.vllm``, with the
+pure-torch loading it uses in ``engines.moe_loading``), and which engine loads what (``engines.clients``).
 
 ``after_import(name, fn)`` runs ``fn`` once module ``name`` has been imported (now, if it already is), so that
 ``import expq`` can register with transformers without importing it.

@@ -1,0 +1,464 @@
+"""The vLLM plugin's weight loading (expq.engines), without vLLM: converted fixtures' expert tensors loaded into
+stand-in fused-MoE layers per tensor-/expert-parallel rank, compared bit for bit with the checkpoint's experts_int8
+layout and with what vLLM 0.24's online experts_int8 would hold (the seed function on the source weights, in the
+w13 row order vLLM's model loaders give); negative controls; the plugin's routing over stand-in vLLM modules; the
+entry point and the import without vLLM."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import converted_factory, load_hf, model_expert_matrices, seed_reference
+
+from expq.checkpoint import ConvertedCheckpoint
+from expq.engines import vllm as plugin
+from expq.engines.moe_loading import LayerLoader, Partition, per_rank, route_weights
+from expq.errors import ExpqError
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "dbrx"]
+INTERLEAVED = {"gpt_oss"}  # vLLM's gpt_oss loader keeps gate/up interleaved in w13 (swigluoai reads x[::2], x[1::2])
+SUFFIX = {"codes": "weight_int8", "scale": "weight_scale"}  # the experts-int8 format's tensor names
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    get = converted_factory(tmp_path_factory, "vllm")
+    cache: dict[str, tuple[Path, ConvertedCheckpoint, dict]] = {}
+
+    def ck(family):
+        if family not in cache:
+            src, out = get(family)
+            c = ConvertedCheckpoint(out)
+            cache[family] = (src, c, {L: c.layer_experts(L) for L in c.moe_layers})
+        return cache[family]
+
+    return ck
+
+
+# --- the checkpoint as the experts-int8 format stores it (per projection: codes [out, in], scales [out]) ---------
+def expert_stream(ck: ConvertedCheckpoint, layers: dict, drop=None, extra=()):
+    """(name, tensor) as vLLM's loader would stream an experts-int8 checkpoint: a few ordinary tensors, then per
+    layer a marker and every projection's codes and scales (``drop``: one (L, e, proj, kind) left out)."""
+    others = [n for n in sorted(ck.tensors) if not ck.format.owns(n)][:5]
+    for n in others:
+        yield n, ck.read(n)
+    yield from extra
+    for L, lx in layers.items():
+        yield f"{ck.experts.prefix}{ck.layout.layers}.{L}.expq_marker", torch.empty(0, dtype=torch.int8)
+        for e in range(ck.num_experts):
+            for p in ("gate", "up", "down"):
+                codes, scales = lx.matrix(e, p)
+                for kind, t in (("codes", codes), ("scale", scales)):
+                    if (L, e, p, kind) != drop:
+                        yield f"{ck.experts.module_name(L, e, p)}.{SUFFIX[kind]}", t.clone()
+
+
+def classify_for(ck: ConvertedCheckpoint):
+    """The format's classify; until the experts-int8 format lands, the same answers for expert_stream's names."""
+    fmt = getattr(ck.format, "classify", None)
+    if fmt is not None and ck.format.name != "compressed-tensors":
+        return fmt
+
+    def classify(name):
+        module, _, suffix = name.rpartition(".")
+        if suffix == "expq_marker":
+            return int(module.rsplit(".", 1)[1]), -1, "", "marker"
+        key = ck.experts.parse_module(module)
+        kinds = {v: k for k, v in SUFFIX.items()}
+        return (*key, kinds[suffix]) if key is not None and suffix in kinds else None
+
+    return classify
+
+
+def stand_in(E_local: int, H: int, I_r: int) -> torch.nn.Module:
+    """A fused-MoE layer's four parameters, shaped per rank, filled with garbage (every byte must be written)."""
+    m = torch.nn.Module()
+    m.w13_weight = torch.nn.Parameter(torch.full((E_local, 2 * I_r, H), 99, dtype=torch.int8), requires_grad=False)
+    m.w2_weight = torch.nn.Parameter(torch.full((E_local, H, I_r), 99, dtype=torch.int8), requires_grad=False)
+    m.w13_scale = torch.nn.Parameter(torch.full((E_local, 2 * I_r), float("nan")), requires_grad=False)
+    m.w2_scale = torch.nn.Parameter(torch.full((E_local, H), float("nan")), requires_grad=False)
+    return m
+
+
+def params(m):
+    return {k: getattr(m, k).data for k in ("w13_weight", "w2_weight", "w13_scale", "w2_scale")}
+
+
+def load_ranks(ck, layers, tp_size, partition_of=None, interleaved=False):
+    """Per rank: {L: stand-in}, filled through route_weights; returns (modules per rank, passed-through names)."""
+    lx0 = next(iter(layers.values()))
+    E, I2, H = lx0.w13.shape
+    I_r = (I2 // 2) // tp_size
+    ranks, passed = [], None
+    for r in range(tp_size):
+        part = partition_of(r) if partition_of else Partition(tp_rank=r, tp_size=tp_size, interleaved=interleaved)
+        E_local = E if part.expert_map is None else sum(x >= 0 for x in part.expert_map)
+        mods = {L: stand_in(E_local, H, I_r) for L in layers}
+        loaders = {L: LayerLoader(L, params(m), E, part) for L, m in mods.items()}
+        names = [n for n, _ in route_weights(expert_stream(ck, layers), classify_for(ck), loaders)]
+        assert passed is None or names == passed
+        passed = names
+        ranks.append(mods)
+    return ranks, passed
+
+
+# --- bit-exact against the checkpoint's experts_int8 layout ------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tp_slices_equal_checkpoint(family, tp, converted):
+    _, ck, layers = converted(family)
+    ranks, passed = load_ranks(ck, layers, tp)
+    assert passed == [n for n in sorted(ck.tensors) if not ck.format.owns(n)][:5]  # others unchanged, in order
+    for L, lx in layers.items():
+        I = lx.w2.shape[2]
+        I_r = I // tp
+        for r, mods in enumerate(ranks):
+            m = mods[L]
+            mine = slice(r * I_r, (r + 1) * I_r)
+            want_w13 = torch.cat([lx.w13[:, :I][:, mine], lx.w13[:, I:][:, mine]], dim=1)
+            want_s13 = torch.cat([lx.w13_scale[:, :I][:, mine], lx.w13_scale[:, I:][:, mine]], dim=1)
+            assert torch.equal(m.w13_weight, want_w13)
+            assert torch.equal(m.w13_scale, want_s13)
+            assert torch.equal(m.w2_weight, lx.w2[:, :, mine])
+            assert torch.equal(m.w2_scale, lx.w2_scale)  # the full row, every rank
+        # the ranks put together are the whole layer
+        cat = lambda k, d: torch.cat([mods[L].__getattr__(k) for mods in ranks], dim=d)  # noqa: E731
+        gate = torch.cat([mods[L].w13_weight[:, :I_r] for mods in ranks], dim=1)
+        up = torch.cat([mods[L].w13_weight[:, I_r:] for mods in ranks], dim=1)
+        assert torch.equal(torch.cat([gate, up], dim=1), lx.w13)
+        assert torch.equal(cat("w2_weight", 2), lx.w2)
+        g_s = torch.cat([mods[L].w13_scale[:, :I_r] for mods in ranks], dim=1)
+        u_s = torch.cat([mods[L].w13_scale[:, I_r:] for mods in ranks], dim=1)
+        assert torch.equal(torch.cat([g_s, u_s], dim=1), lx.w13_scale)
+
+
+@pytest.mark.parametrize("expert_map", [(-1, -1, 0, 1), (-1, 0, -1, 1), (1, -1, 0, -1)],
+                         ids=["linear-rank1", "round-robin-rank1", "permuted"])
+def test_expert_parallel_loads_local_experts(expert_map, converted):
+    _, ck, layers = converted("qwen3_moe")
+    assert ck.num_experts == len(expert_map)
+    (mods,), _ = load_ranks(ck, layers, 1, partition_of=lambda r: Partition(expert_map=expert_map))
+    for L, lx in layers.items():
+        for e, local in enumerate(expert_map):
+            if local < 0:
+                continue
+            assert torch.equal(mods[L].w13_weight[local], lx.w13[e])
+            assert torch.equal(mods[L].w2_weight[local], lx.w2[e])
+            assert torch.equal(mods[L].w13_scale[local], lx.w13_scale[e])
+            assert torch.equal(mods[L].w2_scale[local], lx.w2_scale[e])
+
+
+def test_expert_parallel_skips_other_ranks_experts(converted):
+    _, ck, layers = converted("mixtral")
+    L, lx = next(iter(layers.items()))
+    m = stand_in(2, lx.w13.shape[2], lx.w2.shape[2])
+    loader = LayerLoader(L, params(m), 4, Partition(expert_map=(0, 1, -1, -1)))
+    before = m.w13_weight.clone()
+    assert loader.load(2, "gate", "codes", lx.matrix(2, "gate")[0], "x") is False
+    assert torch.equal(m.w13_weight, before)
+    assert loader.load(1, "gate", "codes", lx.matrix(1, "gate")[0], "x") is True
+    assert {e for e, _, _ in loader.missing()} == {0, 1}
+
+
+# --- what vLLM 0.24's online experts_int8 holds: the seed function on vLLM's own w13 / w2 -----------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_equals_online_experts_int8_layout(family, tp, converted):
+    """vLLM's loaders build w13 [E, 2I_r, H] per rank from the source (gate rows then up rows; gpt_oss: the source's
+    interleaved gate_up columns [2*r*I_r, 2*(r+1)*I_r), i.e. gate/up interleaved) and w2 [E, H, I_r]; the online
+    method then quantizes each row. The plugin must hold exactly that: w13 at any TP; w2 at TP=1 (at TP>1 vLLM
+    0.24 takes the row absmax over its slice; expq stores full-row scales, as vLLM >= 0.28 uses)."""
+    src, ck, layers = converted(family)
+    mats = model_expert_matrices(family, load_hf(src, dtype=torch.bfloat16))
+    interleaved = family in INTERLEAVED
+    ranks, _ = load_ranks(ck, layers, tp, interleaved=interleaved)
+    for L in layers:
+        for e in range(ck.num_experts):
+            gate, up, down = (mats[(L, e, p)] for p in ("gate", "up", "down"))
+            I_r = gate.shape[0] // tp
+            for r, mods in enumerate(ranks):
+                mine = slice(r * I_r, (r + 1) * I_r)
+                if interleaved:
+                    w13 = torch.stack([gate[mine], up[mine]], dim=1).reshape(2 * I_r, -1)
+                else:
+                    w13 = torch.cat([gate[mine], up[mine]])
+                codes, scales = seed_reference(w13)
+                assert torch.equal(mods[L].w13_weight[e], codes), (L, e, r)
+                assert torch.equal(mods[L].w13_scale[e], scales.float()), (L, e, r)
+                if tp == 1:
+                    codes, scales = seed_reference(down)
+                    assert torch.equal(mods[L].w2_weight[e], codes)
+                    assert torch.equal(mods[L].w2_scale[e], scales.float())
+
+
+def test_interleaved_rows_are_a_permutation_of_gate_then_up(converted):
+    _, ck, layers = converted("gpt_oss")
+    (plain,), _ = load_ranks(ck, layers, 1)
+    (inter,), _ = load_ranks(ck, layers, 1, interleaved=True)
+    for L in layers:
+        I = plain[L].w2_weight.shape[2]
+        assert torch.equal(inter[L].w13_weight[:, 0::2], plain[L].w13_weight[:, :I])
+        assert torch.equal(inter[L].w13_weight[:, 1::2], plain[L].w13_weight[:, I:])
+        assert torch.equal(inter[L].w13_scale[:, 1::2], plain[L].w13_scale[:, I:])
+        assert not torch.equal(inter[L].w13_weight, plain[L].w13_weight)
+
+
+# --- negative controls --------------------------------------------------------------------------------------------
+def _loaders(ck, layers, tp=1, r=0):
+    lx0 = next(iter(layers.values()))
+    E, I2, H = lx0.w13.shape
+    return {L: LayerLoader(L, params(stand_in(E, H, (I2 // 2) // tp)), E, Partition(tp_rank=r, tp_size=tp),
+                           describe=lambda e, p, L=L: ck.experts.module_name(L, e, p)) for L in layers}
+
+
+@pytest.mark.parametrize("kind", ["codes", "scale"])
+def test_missing_expert_piece_is_named(kind, converted):
+    _, ck, layers = converted("mixtral")
+    L = ck.moe_layers[-1]
+    stream = expert_stream(ck, layers, drop=(L, 2, "up", kind))
+    with pytest.raises(ExpqError) as ei:
+        list(route_weights(stream, classify_for(ck), _loaders(ck, layers)))
+    err = ei.value
+    assert err.expert == 2 and err.tensor == ck.experts.module_name(L, 2, "up")
+    assert f"layer {L}" in str(err) and "up projection" in str(err) and kind in str(err)
+    assert "\n" not in str(err)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(converted):
+    _, ck, layers = converted("qwen3_moe")
+    L = ck.moe_layers[0]
+    codes, _ = layers[L].matrix(1, "gate")
+    name = f"{ck.experts.module_name(L, 1, 'gate')}.weight_int8"
+    bad = [(name, codes[:, :-1].clone())]
+    with pytest.raises(ExpqError) as ei:
+        list(route_weights(bad, classify_for(ck), _loaders(ck, layers, tp=2)))
+    msg = str(ei.value)
+    I, H = codes.shape
+    assert name in msg and f"[{I}, {H - 1}]" in msg and f"[{I}, {H}]" in msg and "w13_weight" in msg
+    assert f"[{ck.num_experts}, {I}, {H}]" in msg  # the parameter's own shape (2 * I_r = I at tp 2)
+
+
+def test_wrong_dtype_and_duplicates_refused(converted):
+    _, ck, layers = converted("mixtral")
+    L = ck.moe_layers[0]
+    codes, scales = layers[L].matrix(0, "down")
+    loader = _loaders(ck, layers)[L]
+    with pytest.raises(ExpqError, match="int8"):
+        loader.load(0, "down", "codes", codes.to(torch.int16), "w2.weight_int8")
+    with pytest.raises(ExpqError, match="float32"):
+        loader.load(0, "down", "scale", scales.double(), "w2.weight_scale")
+    loader.load(0, "down", "scale", scales.to(torch.bfloat16), "w2.weight_scale")  # exact widening accepted
+    with pytest.raises(ExpqError, match="twice"):
+        loader.load(0, "down", "scale", scales, "w2.weight_scale")
+
+
+def test_intermediate_not_divisible_by_tp(converted):
+    _, ck, layers = converted("dbrx")
+    L = ck.moe_layers[0]
+    I = layers[L].w2.shape[2]
+    tp = 5
+    assert I % tp
+    loader = _loaders(ck, layers, tp=tp)[L]
+    for proj, kind in (("gate", "codes"), ("up", "scale"), ("down", "codes")):
+        t = layers[L].matrix(0, proj)[kind == "scale"]
+        with pytest.raises(ExpqError, match=f"intermediate size {I} is not divisible by the tensor-parallel size 5"):
+            loader.load(0, proj, kind, t, f"t.{kind}")
+    with pytest.raises(ExpqError, match="not divisible"):
+        per_rank(I, tp)
+    assert per_rank(I, 2) == I // 2
+
+
+# --- the plugin's routing over stand-in vLLM modules (the vLLM classes replaced by these) -------------------------
+class FakeRoutedExperts(torch.nn.Module):
+    def __init__(self, E, H, I, tp_rank, tp_size, expert_map=None, activation="silu"):
+        super().__init__()
+        E_local = E if expert_map is None else sum(x >= 0 for x in expert_map)
+        for k, v in params(stand_in(E_local, H, I // tp_size)).items():
+            setattr(self, k, torch.nn.Parameter(v, requires_grad=False))
+        self.global_num_experts = E
+        self.activation = activation
+        self.moe_config = SimpleNamespace(tp_rank=tp_rank, moe_parallel_config=SimpleNamespace(tp_size=tp_size))
+        self._map = expert_map
+        self.quant_method = FakeMethod()
+
+    def _map_global_expert_id_to_local_expert_id(self, e):
+        return e if self._map is None else self._map[e]
+
+
+class FakeMethod:
+    loader = None
+
+
+FAKE_API = SimpleNamespace(RoutedExperts=FakeRoutedExperts, MoEActivation=SimpleNamespace(SWIGLUOAI="swigluoai"))
+
+
+def fake_vllm_model(ck, layers, tp_rank=0, tp_size=1, expert_map=None, activation="silu", extra_layer=None):
+    lx0 = next(iter(layers.values()))
+    E, I2, H = lx0.w13.shape
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    setattr(root.model, ck.layout.layers, torch.nn.ModuleList())
+    stack = getattr(root.model, ck.layout.layers)
+    for L in range(max(ck.moe_layers) + 1):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        if L in layers or L == extra_layer:
+            block.mlp.experts = torch.nn.Module()
+            block.mlp.experts.routed_experts = FakeRoutedExperts(E, H, I2 // 2, tp_rank, tp_size, expert_map,
+                                                                 activation)
+        stack.append(block)
+    return root
+
+
+@pytest.mark.parametrize("family,tp,activation", [("mixtral", 2, "silu"), ("gpt_oss", 2, "swigluoai"),
+                                                  ("dbrx", 1, "silu")])
+def test_plugin_routing_fills_every_layer(family, tp, activation, converted):
+    _, ck, layers = converted(family)
+    for r in range(tp):
+        model = fake_vllm_model(ck, layers, r, tp, activation=activation)
+        loaders = plugin.attach_loaders(model, ck, api=FAKE_API, method_cls=FakeMethod)
+        assert sorted(loaders) == ck.moe_layers
+        mods = {L: getattr(model.model, ck.layout.layers)[L].mlp.experts.routed_experts for L in layers}
+        assert all(mods[L].quant_method.loader is loaders[L] for L in layers)
+        assert loaders[ck.moe_layers[0]].partition.interleaved == (activation == "swigluoai")
+        list(route_weights(expert_stream(ck, layers), classify_for(ck), loaders))
+        for L, lx in layers.items():
+            I = lx.w2.shape[2]
+            I_r = I // tp
+            mine = slice(r * I_r, (r + 1) * I_r)
+            w13 = mods[L].w13_weight
+            gate, up = (w13[:, 0::2], w13[:, 1::2]) if activation == "swigluoai" else (w13[:, :I_r], w13[:, I_r:])
+            assert torch.equal(gate, lx.w13[:, :I][:, mine]) and torch.equal(up, lx.w13[:, I:][:, mine])
+            assert torch.equal(mods[L].w2_weight, lx.w2[:, :, mine])
+            assert torch.equal(mods[L].w2_scale, lx.w2_scale)
+
+
+def test_plugin_routing_expert_parallel(converted):
+    _, ck, layers = converted("qwen3_moe")
+    emap = (-1, -1, 0, 1)
+    model = fake_vllm_model(ck, layers, expert_map=emap)
+    loaders = plugin.attach_loaders(model, ck, api=FAKE_API, method_cls=FakeMethod)
+    assert loaders[ck.moe_layers[0]].partition.expert_map == emap
+    list(route_weights(expert_stream(ck, layers), classify_for(ck), loaders))
+    for L, lx in layers.items():
+        m = getattr(model.model, ck.layout.layers)[L].mlp.experts.routed_experts
+        assert torch.equal(m.w13_weight, lx.w13[2:]) and torch.equal(m.w2_scale, lx.w2_scale[2:])
+
+
+def test_plugin_refuses_a_layer_the_checkpoint_does_not_quantize(converted):
+    _, ck, layers = converted("qwen3_moe")
+    model = fake_vllm_model(ck, layers)
+    model.model.layers.append(torch.nn.Module())
+    model.model.layers[-1].experts = FakeRoutedExperts(4, 64, 48, 0, 1)
+    extra = len(model.model.layers) - 1
+    with pytest.raises(ExpqError, match=f"layer {extra} is not one of the checkpoint's"):
+        plugin.attach_loaders(model, ck, api=FAKE_API, method_cls=FakeMethod)
+
+
+# --- packaging, import without vLLM, clear errors for a vLLM without the internals --------------------------------
+def test_entry_point_and_extra_declared():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["entry-points"]["vllm.general_plugins"] == {"expq": "expq.engines.vllm:register"}
+    assert meta["optional-dependencies"]["vllm"] == ["vllm>=0.24"]
+    mod, _, fn = meta["entry-points"]["vllm.general_plugins"]["expq"].partition(":")
+    assert callable(getattr(__import__(mod, fromlist=[fn]), fn))
+
+
+class _NoVllm:
+    """A meta-path finder that fails any import of vllm."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise AssertionError(f"{name} imported")
+        return None
+
+
+def test_import_never_imports_vllm():
+    """Fresh imports of expq, its engines and the modules they use, with vllm imports made to fail."""
+    saved = {k: v for k, v in sys.modules.items() if k == "expq" or k.startswith("expq.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.meta_path.insert(0, blocker := _NoVllm())
+    try:
+        import expq.api  # noqa: F401
+        import expq.checkpoint  # noqa: F401
+        import expq.engines.moe_loading  # noqa: F401
+        import expq.engines.vllm as fresh
+
+        assert fresh is not plugin and fresh.QUANT_METHOD == "expq_experts_int8"
+        assert not any(k == "vllm" or k.startswith("vllm.") for k in sys.modules)
+    finally:
+        sys.meta_path.remove(blocker)
+        for k in [k for k in sys.modules if k == "expq" or k.startswith("expq.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+@pytest.mark.skipif(plugin._importable("vllm"), reason="vLLM is installed here")
+def test_register_without_vllm_says_so():
+    with pytest.raises(ExpqError, match=r"needs vLLM, which is not installed \(pip install 'expq\[vllm\]'\)"):
+        plugin.register()
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A 'vllm' 0.99.0 with a quantization registry but none of the fused-MoE internals."""
+    if plugin._importable("vllm"):
+        pytest.skip("vLLM is installed here")
+    registered = {}
+
+    class QuantizationConfig:
+        def __init__(self):
+            pass
+
+    def register_quantization_config(name):
+        def wrap(cls):
+            registered[name] = cls
+            return cls
+        return wrap
+
+    mods = {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+            "vllm.model_executor.layers": types.ModuleType("vllm.model_executor.layers"),
+            "vllm.model_executor.layers.quantization": types.ModuleType("q"),
+            "vllm.model_executor.layers.quantization.base_config": types.ModuleType("b")}
+    mods["vllm"].__version__ = "0.99.0"
+    mods["vllm.model_executor.layers.quantization"].register_quantization_config = register_quantization_config
+    mods["vllm.model_executor.layers.quantization.base_config"].QuantizationConfig = QuantizationConfig
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    monkeypatch.setattr(plugin, "_STATE", {})
+    return registered
+
+
+def test_missing_internals_named_with_version(fake_vllm):
+    with pytest.raises(ExpqError) as ei:
+        plugin.vllm_api()
+    msg = str(ei.value)
+    assert "vLLM 0.99.0" in msg and "vllm.model_executor.layers.fused_moe.RoutedExperts" in msg
+    assert "Int8OnlineMoEMethod._setup_kernel" in msg and "DefaultModelLoader.get_all_weights" in msg
+    assert "register_quantization_config" not in msg and "\n" not in msg
+
+
+def test_register_on_unsupported_vllm_refuses_only_expq_checkpoints(fake_vllm):
+    plugin.register()  # must not raise: vLLM calls plugins for every model it serves
+    plugin.register()  # idempotent
+    cls = fake_vllm[plugin.QUANT_METHOD]
+    with pytest.raises(ExpqError, match="vLLM 0.99.0 lacks"):
+        cls.from_config({"quant_method": plugin.QUANT_METHOD})
+
+
+def test_dtype_other_than_the_conversion_is_warned(converted, caplog):
+    _, ck, _ = converted("mixtral")
+    assert ck.manifest.options.dtype == "bfloat16"
+    with caplog.at_level("WARNING", logger="expq.vllm"):
+        plugin._warn_dtype(ck, SimpleNamespace(model="m", dtype=torch.bfloat16))
+        assert not caplog.records
+        plugin._warn_dtype(ck, SimpleNamespace(model="m", dtype=torch.float16))
+    assert "converted in bfloat16 but is served in float16" in caplog.text
