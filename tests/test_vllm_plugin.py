@@ -29,7 +29,7 @@ SUFFIX = {"codes": "weight_int8", "scale": "weight_scale"}  # the experts-int8 f
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    get = converted_factory(tmp_path_factory, "vllm")
+    get = converted_factory(tmp_path_factory, "vllm", format="experts-int8")
     cache: dict[str, tuple[Path, ConvertedCheckpoint, dict]] = {}
 
     def ck(family):
@@ -51,7 +51,7 @@ def expert_stream(ck: ConvertedCheckpoint, layers: dict, drop=None, extra=()):
         yield n, ck.read(n)
     yield from extra
     for L, lx in layers.items():
-        yield f"{ck.experts.prefix}{ck.layout.layers}.{L}.expq_marker", torch.empty(0, dtype=torch.int8)
+        yield ck.experts.stock_weight_name(L), ck.read(ck.experts.stock_weight_name(L))
         for e in range(ck.num_experts):
             for p in ("gate", "up", "down"):
                 codes, scales = lx.matrix(e, p)
@@ -61,20 +61,9 @@ def expert_stream(ck: ConvertedCheckpoint, layers: dict, drop=None, extra=()):
 
 
 def classify_for(ck: ConvertedCheckpoint):
-    """The format's classify; until the experts-int8 format lands, the same answers for expert_stream's names."""
-    fmt = getattr(ck.format, "classify", None)
-    if fmt is not None and ck.format.name != "compressed-tensors":
-        return fmt
-
-    def classify(name):
-        module, _, suffix = name.rpartition(".")
-        if suffix == "expq_marker":
-            return int(module.rsplit(".", 1)[1]), -1, "", "marker"
-        key = ck.experts.parse_module(module)
-        kinds = {v: k for k, v in SUFFIX.items()}
-        return (*key, kinds[suffix]) if key is not None and suffix in kinds else None
-
-    return classify
+    """The experts-int8 format's own classify."""
+    assert ck.format.name == "experts-int8"
+    return ck.format.classify
 
 
 def stand_in(E_local: int, H: int, I_r: int) -> torch.nn.Module:
