@@ -1,89 +1,369 @@
-"""Real vLLM on a GPU: serve expq-converted checkpoints and compare them with vLLM's own online experts_int8.
+"""Real vLLM 0.24 on one GPU: does expq's converted checkpoint compute what vLLM's own online experts_int8 computes?
 
-    python bench/vllm_compare.py build WORK                 # small real-format sources (hidden 256) + expq convert
-    python bench/vllm_compare.py serve WORK RESULTS SERVE   # SERVE: path of serve_check.py; needs vLLM importable
+One invocation (about 9 minutes at most, ``--budget``), per family:
 
-For each family (mixtral, qwen3_moe, granitemoe: per-expert w1/w3/w2, per-expert gate/up/down, stacked), two or
-three runs, each in its own process (vLLM does not free the GPU within one): the converted checkpoint (compressed-tensors,
-served through vLLM's WNA16 MoE path), the bf16 source with ``--quantization experts_int8`` (vLLM quantizes at load:
-the same codes and scales, by the scheme), and, for mixtral, the bf16 source unquantized. ``serve_check.py`` (the offline-vllm
-tool) greedy-decodes 8 tokens after a fixed 32-token prompt and records the prompt log-probabilities; this script
-collects max |delta logprob| and whether the greedy tokens agree into RESULTS/vllm_compare.json.
+  1. fixture  ``expq.examples.build_example(family, DIR/family/src, preset="serve", init_std=0.02)``: hidden 256,
+              8 experts, top-2 (Llama-4 top-1), 4 layers, bf16, max_position_embeddings 1024, weights N(0, 0.02),
+              lm_head N(0, 0.2) (see ``SERVE_FAMILIES`` in expq/examples.py for each family's settings and why);
+  2. convert  ``python -m expq.cli convert SRC OUT --format FORMAT`` (``--format``, default experts-int8);
+  3. serve    each in its own process (vLLM does not free the GPU within one), up to ``--parallel`` at once with
+              ``gpu_memory_utilization`` 0.28: online ``LLM(SRC, quantization="experts_int8")``, converted
+              ``LLM(OUT)`` (its quantization_config picks the method: expq's plugin for experts-int8, vLLM's
+              compressed-tensors otherwise), and unquantized ``LLM(SRC)`` (``--runs``). Each: enforce_eager,
+              skip_tokenizer_init, max_model_len 512, a fixed 32-token prompt of token ids, prompt_logprobs=1,
+              greedy decoding of ``--tokens`` tokens (ignore_eos) with logprobs=1;
+  4. compare  the converted and unquantized runs against online experts_int8.
+
+Figures (RESULTS/vllm_compare.json, RESULTS/vllm_compare.md; logs per serve under RESULTS/logs/):
+  max |Δ prompt lp|   max over prompt positions 1..31 of |log p(prompt token)| difference vs online;
+  max |Δ gen lp|      max over the generated positions before the first differing token (the common prefix) of
+                      |Δ log p(sampled token)|;
+  greedy equal        all generated token ids identical; first div: index of the first differing generated token;
+  load s              wall seconds from ``LLM(...)`` called to returned (includes engine start, profiling, KV alloc);
+  weights s / GiB     vLLM's own log lines "Loading weights took S seconds" and "Model loading took X GiB memory";
+  load peak GiB       vLLM's debug line "Peak GPU memory after loading weights: X GiB" (torch max_memory_allocated in
+                      the engine process right after loading, before post-processing; the online-quantization peak);
+  torch peak GiB      "torch peak memory increase" of vLLM's memory profiling (a dummy forward's activations);
+  error               for a serve that failed: its first error line and the last exception line of its log.
+torch.cuda.max_memory_allocated of this process would see nothing (vLLM's engine runs in a child process) and
+nvidia-smi cannot attribute memory between concurrent serves: the memory figures are vLLM's own log lines
+(VLLM_LOGGING_LEVEL=DEBUG is set for each serve).
+
+On the device (checkout as cwd; vLLM and its dependencies, typer and rich, in /tmp/site; nothing big is carried: the
+fixtures are built there):
+
+  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  python bench/vllm_compare.py $OUT/vc                                # every family, experts-int8
+  python bench/vllm_compare.py $OUT/vc --format compressed-tensors --families mixtral,qwen3_moe
+  python bench/vllm_compare.py $OUT/vc --families gpt_oss,dbrx,phimoe --runs online,bf16 --parallel 3
+
+Here (CPU, no vLLM): ``--dry-run`` stops after steps 1-2 (``--format compressed-tensors`` until experts-int8 lands).
+Other options: ``--skip-convert`` (reuse DIR/family/out), ``--serve-timeout`` (seconds per serve), ``--set
+family.key=json`` (override one fixture config field, e.g. ``--set deepseek_v3.kv_lora_rank=512``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-FAMILIES = {
-    "mixtral": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
-    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=8,
-                      num_experts_per_tok=2, mlp_only_layers=[], decoder_sparse_step=1),
-    "granitemoe": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
+PROMPT_LEN, MAX_MODEL_LEN, GPU_UTIL = 32, 512, 0.28
+RUNS = {"online": "experts_int8", "converted": None, "bf16": None}  # run name -> quantization argument
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    """The fixed prompt (the same formula as serve_check.py)."""
+    return [(7919 * i + 13) % vocab for i in range(1, PROMPT_LEN + 1)]
+
+
+# --- step 0: which families -----------------------------------------------------------------------------------------
+def default_families() -> list[str]:
+    """expq.examples.FAMILIES, then, for each other layout file, its first model type transformers instantiates
+    (a ``*_text`` one first: the composite multimodal configs ignore top-level sizes and build full-size models)."""
+    from transformers import AutoConfig
+
+    from expq.examples import FAMILIES
+    from expq.layouts import builtin_layouts
+
+    out = list(FAMILIES)
+    for layout in builtin_layouts():
+        if any(mt in out for mt in layout.model_types):
+            continue
+        for mt in sorted(layout.model_types, key=lambda m: not m.endswith("_text")):
+            try:
+                AutoConfig.for_model(mt)
+            except Exception:  # noqa: BLE001 - transformers does not know this model type
+                continue
+            out.append(mt)
+            break
+    return out
+
+
+# --- steps 1-2: fixture and conversion (in worker processes, CPU) ------------------------------------------------------
+def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict) -> dict:
+    """Build DIR/family/src, convert it to DIR/family/out; return what happened (errors as text, never raised)."""
+    import torch
+
+    torch.set_num_threads(2)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # expq from this checkout when run as a script
+    from expq.examples import build_example
+
+    d = Path(work) / family
+    src, out = d / "src", d / "out"
+    rec: dict = {"family": family, "src": str(src), "out": str(out)}
+    t = time.perf_counter()
+    try:
+        if not (src / "config.json").exists():
+            build_example(family, src, preset="serve", init_std=0.02, max_shard_size="50MB", **sets)
+        rec["config"] = json.loads((src / "config.json").read_text())
+        rec["build_s"] = round(time.perf_counter() - t, 2)
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"fixture: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return rec
+    if skip_convert and (out / "config.json").exists():
+        return rec
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "expq.cli", "convert", str(src), str(out), "--format", fmt,
+                        "--overwrite"], capture_output=True, text=True)
+    rec["convert_s"] = round(time.perf_counter() - t, 2)
+    if p.returncode != 0:
+        rec["convert_error"] = error_lines(p.stdout + p.stderr) or f"exit {p.returncode}"
+    return rec
+
+
+# --- step 3: one serve (this file re-invoked as `_serve` in its own process) ----------------------------------------
+def serve_one(model: str, out: str, quantization: str | None, tokens: int) -> None:
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    prompt = prompt_ids(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 1000))
+    kw = {"quantization": quantization} if quantization else {}
+    t1 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=GPU_UTIL,
+              max_model_len=MAX_MODEL_LEN, seed=0, **kw)
+    t2 = time.perf_counter()
+    params = SamplingParams(max_tokens=tokens, temperature=0, prompt_logprobs=1, logprobs=1, ignore_eos=True,
+                            detokenize=False)
+    res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params)[0]
+    t3 = time.perf_counter()
+    gen = res.outputs[0]
+    Path(out).write_text(json.dumps({
+        "model": model, "quantization": quantization, "prompt": prompt,
+        "prompt_logprobs": [d[t].logprob for d, t in zip(res.prompt_logprobs[1:], prompt[1:])],
+        "tokens": list(gen.token_ids), "token_logprobs": [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)],
+        "import_s": round(t1 - t0, 2), "load_s": round(t2 - t1, 2), "generate_s": round(t3 - t2, 2)}))
+    print("ran", model, quantization or "", len(gen.token_ids), "tokens", flush=True)
+
+
+LOG_FIGURES = {  # figure -> regex on vLLM's log (first match)
+    "weights_s": r"Loading weights took ([\d.]+) seconds",
+    "model_gib": r"Model loading took ([\d.]+) ?GiB memory",
+    "load_peak_gib": r"Peak GPU memory after loading weights: ([\d.]+) ?GiB",
+    "torch_peak_gib": r"torch peak memory increase: ([\d.]+) ?GiB",
+    "kv_cache_gib": r"Available KV cache memory: ([\d.]+) ?GiB",
 }
 
 
-def build(work: Path) -> None:
-    import torch
-
-    import expq
-    from expq.examples import build_example
-
-    for fam, cfg in FAMILIES.items():
-        src, out = work / f"{fam}-src", work / f"{fam}-int8"
-        if not src.exists():
-            build_example(fam, src, dtype=torch.bfloat16, max_shard_size="20MB", **cfg)
-        t = time.perf_counter()
-        r = expq.convert(src, out, overwrite=True, max_shard_size="20MB")
-        v = expq.verify(out, source=src, tokens=64)
-        print(f"{fam}: converted on {r.devices} in {time.perf_counter() - t:.1f} s; verify: {v.verdict}", flush=True)
+def error_lines(log: str) -> str:
+    """The first error line and the last exception line of a log ('' when neither is there)."""
+    lines = [x.strip() for x in log.splitlines() if x.strip()]
+    first = next((x for x in lines if re.search(r"error|exception|traceback", x, re.I)), "")
+    last = next((x for x in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", x)), "")
+    if not first and not last:
+        return lines[-1] if lines else ""
+    return first if not last or last == first else f"{first} ... {last}"
 
 
-def serve(work: Path, results: Path, serve_check: str) -> None:
+# --- step 3: the scheduler: up to --parallel serves at once, each under a timeout, all under the budget -------------
+def serve_all(jobs: list[dict], results: Path, parallel: int, timeout: float, deadline: float, tokens: int) -> None:
+    logs = results / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG", VLLM_USE_FLASHINFER_SAMPLER="0")
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            if time.monotonic() + 60 > deadline:  # no time for a start: say so rather than overrun
+                job["status"] = "skipped: budget"
+                continue
+            job["json"] = str(results / "runs" / f"{job['family']}-{job['run']}.json")
+            Path(job["json"]).parent.mkdir(exist_ok=True)
+            job["log"] = str(logs / f"{job['family']}-{job['run']}.log")
+            cmd = [sys.executable, __file__, "_serve", job["model"], job["json"], "--tokens", str(tokens)]
+            if job["quantization"]:
+                cmd += ["--quantization", job["quantization"]]
+            fh = open(job["log"], "w")  # noqa: SIM115 - closed when the process ends
+            job["proc"], job["fh"], job["t0"] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                                                 start_new_session=True), fh, time.monotonic()
+            running.append(job)
+            print(f"start {job['family']} {job['run']}", flush=True)
+        time.sleep(0.5)
+        for job in list(running):
+            p, waited = job["proc"], time.monotonic() - job["t0"]
+            if p.poll() is None and waited < timeout and time.monotonic() < deadline:
+                continue
+            if p.poll() is None:  # over its own timeout or the budget: end its process group (it started it)
+                os.killpg(p.pid, 9)
+                p.wait()
+                job["status"] = f"timeout after {waited:.0f} s"
+            job["fh"].close()
+            running.remove(job)
+            job["wall_s"] = round(waited, 1)
+            log = Path(job["log"]).read_text(errors="replace")
+            for k, rx in LOG_FIGURES.items():
+                m = re.search(rx, log)
+                job[k] = float(m.group(1)) if m else None
+            if p.returncode == 0 and Path(job["json"]).exists():
+                job["status"] = "ok"
+                job["data"] = json.loads(Path(job["json"]).read_text())
+            else:
+                job.setdefault("status", f"failed (exit {p.returncode})")
+                job["error"] = error_lines(log) or "(no error line; see the log)"
+            print(f"done  {job['family']} {job['run']}: {job['status']} in {waited:.0f} s", flush=True)
+
+
+# --- step 4: compare against online experts_int8 -----------------------------------------------------------------------
+def compare(base: dict, other: dict) -> dict:
+    a, b = base["data"], other["data"]
+    dp = max(abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"]))
+    n = min(len(a["tokens"]), len(b["tokens"]))
+    div = next((i for i in range(n) if a["tokens"][i] != b["tokens"][i]), None)
+    common = n if div is None else div
+    dg = max((abs(x - y) for x, y in zip(a["token_logprobs"][:common], b["token_logprobs"][:common])), default=None)
+    return {"max_d_prompt_lp": dp, "max_d_gen_lp": dg, "greedy_equal": a["tokens"] == b["tokens"],
+            "first_divergence": div, "common_prefix": common, "generated": len(b["tokens"])}
+
+
+def fmt(v, spec=".4f") -> str:
+    return "-" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
+
+
+def report(families: list[dict], jobs: list[dict], results: Path, args) -> None:
+    by = {(j["family"], j["run"]): j for j in jobs}
+    summary = {"args": {k: v for k, v in vars(args).items()}, "families": {}}
+    rows = ["| family | run | status | max \\|Δ prompt lp\\| | max \\|Δ gen lp\\| | greedy equal | first div | load s |"
+            " weights s | model GiB | load peak GiB | torch peak GiB | error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fam in families:
+        f = fam["family"]
+        entry = {k: fam.get(k) for k in ("build_s", "convert_s", "error", "convert_error")}
+        entry["runs"] = {}
+        base = by.get((f, "online"))
+        if fam.get("error") or fam.get("convert_error"):
+            rows.append(f"| {f} | (prepare) | failed | | | | | | | | | | {fam.get('error') or fam.get('convert_error')} |")
+        for run in args.runs:
+            j = by.get((f, run))
+            if j is None:
+                continue
+            r = {k: j.get(k) for k in ("status", "wall_s", "error", "log", *LOG_FIGURES)}
+            r["load_s"] = j.get("data", {}).get("load_s")
+            if run != "online" and base and base.get("status") == "ok" and j.get("status") == "ok":
+                r.update(compare(base, j))
+            if run == "online" and j.get("status") != "ok":
+                r["note"] = "online experts_int8 cannot serve this fixture: " + (j.get("error") or j["status"])
+            entry["runs"][run] = r
+            rows.append(" | ".join([f"| {f}", run, r["status"], fmt(r.get("max_d_prompt_lp")),
+                                    fmt(r.get("max_d_gen_lp")), fmt(r.get("greedy_equal")),
+                                    fmt(r.get("first_divergence")), fmt(r.get("load_s"), ".1f"),
+                                    fmt(r.get("weights_s"), ".2f"), fmt(r.get("model_gib"), ".3f"),
+                                    fmt(r.get("load_peak_gib"), ".3f"), fmt(r.get("torch_peak_gib"), ".3f"),
+                                    (r.get("error") or "").replace("|", "/")[:300]]) + " |")
+        summary["families"][f] = entry
     results.mkdir(parents=True, exist_ok=True)
-    summary = {}
-    for fam in FAMILIES:
-        runs = {"converted": (work / f"{fam}-int8", None), "online_experts_int8": (work / f"{fam}-src", "experts_int8")}
-        if fam == "mixtral":  # context: how far int8 itself moves the model
-            runs["bf16"] = (work / f"{fam}-src", None)
-        files = {}
-        for name, (model, quant) in runs.items():
-            f = results / f"{fam}-{name}.json"
-            cmd = [sys.executable, serve_check, "run", str(model), str(f)] + (["--quantization", quant] if quant else [])
-            t = time.perf_counter()
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            ok = p.returncode == 0 and f.exists()
-            print(f"{fam} {name}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t:.0f} s", flush=True)
-            if not ok:
-                tail = (p.stdout + p.stderr).strip().splitlines()[-12:]
-                print("\n".join("    " + x for x in tail), flush=True)
-                (results / f"{fam}-{name}.log").write_text(p.stdout[-20000:] + p.stderr[-20000:])
-            files[name] = f if ok else None
-        s = {}
-        base = files.get("online_experts_int8")
-        for other in ("converted", "bf16"):
-            if base and files.get(other):
-                a, b = json.loads(base.read_text()), json.loads(files[other].read_text())
-                s[f"{other}_vs_online"] = {
-                    "max_abs_dlogprob": max(abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])),
-                    "greedy_equal": a["tokens"] == b["tokens"], "tokens": b["tokens"], "online_tokens": a["tokens"]}
-        s["runs_ok"] = {k: v is not None for k, v in files.items()}
-        summary[fam] = s
-        print(fam, json.dumps(s), flush=True)
-    (results / "vllm_compare.json").write_text(json.dumps(summary, indent=1))
+    (results / "vllm_compare.json").write_text(json.dumps(summary, indent=1, default=str))
+    head = (f"vLLM comparison: format {args.format}, {args.tokens} greedy tokens after a {PROMPT_LEN}-token prompt; "
+            f"Δ columns against online experts_int8 of the same source.\n\n")
+    (results / "vllm_compare.md").write_text(head + "\n".join(rows) + "\n")
+    print(head + "\n".join(rows), flush=True)
+
+
+# --- main -------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="results and fixtures go here (fixtures under DIR/fixtures)")
+    ap.add_argument("--families", help="comma-separated model types (default: every family, see the docstring)")
+    ap.add_argument("--format", default="experts-int8", help="expq convert --format (default experts-int8)")
+    ap.add_argument("--runs", default="online,converted,bf16", help="which serves, of online,converted,bf16")
+    ap.add_argument("--tokens", type=int, default=256, help="greedy tokens to generate (default 256)")
+    ap.add_argument("--parallel", type=int, default=3, help="serves at once (default 3)")
+    ap.add_argument("--serve-timeout", type=float, default=240, help="seconds per serve (default 240)")
+    ap.add_argument("--prepare-timeout", type=float, default=150, help="seconds per fixture + conversion")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole invocation (default 540)")
+    ap.add_argument("--skip-convert", action="store_true", help="reuse DIR/fixtures/FAMILY/out where it exists")
+    ap.add_argument("--dry-run", action="store_true", help="stop after fixtures and conversion (no vLLM)")
+    ap.add_argument("--set", action="append", default=[], metavar="FAMILY.KEY=JSON", help="fixture config override")
+    args = ap.parse_args(argv)
+    deadline = time.monotonic() + args.budget
+    args.runs = [r for r in args.runs.split(",") if r]
+    assert set(args.runs) <= set(RUNS), f"--runs takes {','.join(RUNS)}"
+    assert args.tokens + PROMPT_LEN <= MAX_MODEL_LEN, f"--tokens at most {MAX_MODEL_LEN - PROMPT_LEN}"
+    names = args.families.split(",") if args.families else default_families()
+    sets: dict[str, dict] = {}
+    for s in args.set:
+        key, _, val = s.partition("=")
+        fam, _, field = key.partition(".")
+        sets.setdefault(fam, {})[field] = json.loads(val)
+
+    # steps 1-2: fixtures and conversions, several families at once on the CPU, each in its own process (a family
+    # whose transformers model crashes the interpreter, or hangs, costs only itself)
+    work = args.dir / "fixtures"
+    print(f"preparing {len(names)} families: {', '.join(names)}", flush=True)
+
+    def prepare_in_child(name: str) -> dict:
+        rec_file = work / name / "prepare.json"
+        rec_file.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "_prepare", name, str(work), args.format, str(int(args.skip_convert)),
+               json.dumps(sets.get(name, {}))]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.prepare_timeout)
+        except subprocess.TimeoutExpired:
+            return {"family": name, "error": f"fixture/convert: timeout after {args.prepare_timeout:.0f} s"}
+        if rec_file.exists():
+            return json.loads(rec_file.read_text())
+        return {"family": name, "error": f"fixture: exit {p.returncode}: {error_lines(p.stdout + p.stderr)}"}
+
+    with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+        families = list(pool.map(prepare_in_child, names))
+    for fam in families:
+        print(f"  {fam['family']}: build {fam.get('build_s')} s, convert {fam.get('convert_s')} s"
+              + (f"; {fam.get('error') or fam.get('convert_error')}" if fam.get("error") or fam.get("convert_error")
+                 else ""), flush=True)
+    if args.dry_run:
+        report(families, [], args.dir, args)
+        return
+
+    # step 3: serves. Families whose architecture vLLM does not register are reported without a serve.
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = set(ModelRegistry.get_supported_archs())
+    jobs = []
+    for run in args.runs:  # every online and converted serve before any bf16 one: the budget goes to those first
+        for fam in families:
+            if fam.get("error"):
+                continue
+            arch = (fam["config"].get("architectures") or ["?"])[0]
+            job = {"family": fam["family"], "run": run, "quantization": RUNS[run],
+                   "model": fam["out"] if run == "converted" else fam["src"]}
+            if arch not in archs:
+                job.update(status="not served", error=f"vLLM {_vllm_version()} registers no {arch}")
+            elif run == "converted" and fam.get("convert_error"):
+                job.update(status="not served", error="conversion failed")
+            jobs.append(job)
+    serve_all([j for j in jobs if "status" not in j], args.dir, args.parallel, args.serve_timeout, deadline,
+              args.tokens)
+
+    # step 4: compare and write the JSON and the table
+    for j in jobs:
+        j.pop("proc", None), j.pop("fh", None)
+    report(families, jobs, args.dir, args)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "build":
-        build(Path(sys.argv[2]))
-    elif sys.argv[1] == "serve":
-        serve(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
+    if len(sys.argv) > 1 and sys.argv[1] == "_prepare":  # family work format skip_convert sets_json
+        fam_, work_, fmt_, skip_, sets_ = sys.argv[2:7]
+        rec_ = prepare(fam_, work_, fmt_, skip_ == "1", json.loads(sets_))
+        (Path(work_) / fam_).mkdir(parents=True, exist_ok=True)
+        (Path(work_) / fam_ / "prepare.json").write_text(json.dumps(rec_))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_serve":
+        a = argparse.ArgumentParser()
+        a.add_argument("model"), a.add_argument("out"), a.add_argument("--quantization"), a.add_argument("--tokens",
+                                                                                                      type=int)
+        ns = a.parse_args(sys.argv[2:])
+        serve_one(ns.model, ns.out, ns.quantization, ns.tokens)
     else:
-        sys.exit(__doc__)
+        main()
