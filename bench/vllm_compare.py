@@ -54,7 +54,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PROMPT_LEN, MAX_MODEL_LEN, GPU_UTIL = 32, 512, 0.28
+PROMPT_LEN, MAX_MODEL_LEN = 32, 512
+GPU_UTIL = float(os.environ.get("EXPQ_VC_GPU_UTIL", "0.28"))  # per serve; raise it for a serve that runs alone
 RUNS = {"online": "experts_int8", "converted": None, "bf16": None}  # run name -> quantization argument
 
 
@@ -155,9 +156,12 @@ LOG_FIGURES = {  # figure -> regex on vLLM's log (first match)
 
 def error_lines(log: str) -> str:
     """The first error line and the last exception line of a log ('' when neither is there)."""
-    lines = [x.strip() for x in log.splitlines() if x.strip()]
-    first = next((x for x in lines if re.search(r"error|exception|traceback", x, re.I)), "")
-    last = next((x for x in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", x)), "")
+    # vLLM's engine process prefixes its lines with "(EngineCore pid=N) "; DEBUG/INFO/WARNING lines are not errors
+    lines = [re.sub(r"^\(EngineCore[^)]*\)\s*", "", x.strip()) for x in log.splitlines() if x.strip()]
+    lines = [x for x in lines if not re.match(r"^(DEBUG|INFO|WARNING)\b", x)]
+    first = next((x for x in lines if re.match(r"^[\w.]*(Error|Exception)\b", x)), "")
+    last = next((x for x in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", x)
+                 and "Engine core initialization failed" not in x), "")
     if not first and not last:
         return lines[-1] if lines else ""
     return first if not last or last == first else f"{first} ... {last}"

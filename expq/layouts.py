@@ -139,6 +139,8 @@ class ClientsSection(_Schema):
     format: Literal["compressed-tensors", "experts-int8"] = Field(
         "compressed-tensors", description="compressed-tensors or experts-int8")
     format_reason: str = Field("", description="a string")
+    vllm_plugin: str = Field("", description="a string (why expq's vLLM plugin cannot serve this family's "
+                                               "experts-int8 output; empty when it can)")
     vllm: str = Field("", description="a string (why stock vLLM cannot serve it; empty when it can)")
     vllm_note: str = Field("", description="a string")
 
@@ -224,6 +226,7 @@ class Layout:
     stock_transformers: bool = True  # stock transformers loads this format for the family
     default_format: str = "compressed-tensors"  # what `expq convert` writes when --format is not given
     format_reason: str = ""  # why, for inspect and the card
+    vllm_plugin: str = ""  # why expq's vLLM plugin cannot serve the experts-int8 output ("" when it can)
     stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
     vllm_note: str = ""  # a caveat for some model types of the family
     source_text: str = ""  # the layout file's text (carried in expq.json)
@@ -295,6 +298,7 @@ def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
         targets_container=out.targets_container, router_weight_on_input=cfg.router_weight_on_input,
         runtime_module=f.runtime.module or ex.module, runtime_forward=f.runtime.forward,
         runtime_weight=f.runtime.weight, default_format=f.clients.format, format_reason=f.clients.format_reason,
+        vllm_plugin=f.clients.vllm_plugin,
         stock_transformers=f.clients.transformers, stock_vllm=f.clients.vllm, vllm_note=f.clients.vllm_note,
         source_text=text)
 

@@ -57,7 +57,9 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
     """
     expq = Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)
     if fmt == "experts-int8":
-        return [Client("vLLM", True, "bash", VLLM_PLUGIN,
+        vllm = Client("vLLM", False, "bash", None, f"vLLM cannot serve this family: {layout.vllm_plugin}") \
+            if layout.vllm_plugin else None
+        return [vllm or Client("vLLM", True, "bash", VLLM_PLUGIN,
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
                        "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
                        "plugin refuses the checkpoint (unknown quantization method)."),
