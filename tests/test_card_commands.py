@@ -20,8 +20,6 @@ from expq.demo import DEMO_CONFIG
 from expq.examples import build_example
 
 FORMATS = ("compressed-tensors", "experts-int8")
-CHECK = ("\nimport torch\nwith torch.no_grad():\n"
-         "    print('LOGITS', tuple(model(torch.tensor([[1, 2, 3]])).logits.shape))\n")
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +64,21 @@ def test_card_lists_one_command_per_engine(published):
 
 
 def test_card_python_commands_run(published):
-    """Each python block, verbatim, in a fresh interpreter against the test Hub; it must build a model that runs."""
+    """The python blocks, verbatim and in the card's order, in one fresh interpreter pointed at the test Hub (each
+    in its own namespace; a block that does not import expq runs before any block that does): each must build a
+    model that runs."""
     repo, card, fmt = published
-    blocks = [(e, code) for e, lang, code in usage_blocks(card) if lang == "python"]
-    assert len(blocks) == 2
-    for engine, code in blocks:
-        assert repo in code
-        r = subprocess.run([sys.executable, "-c", code + CHECK], capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ))
-        assert r.returncode == 0, f"{fmt} {engine} block failed:\n{code}\n{r.stderr[-3000:]}"
-        assert "LOGITS (1, 3, 320)" in r.stdout, r.stdout
+    blocks = [code for _, lang, code in usage_blocks(card) if lang == "python"]
+    assert len(blocks) == 2 and all(repo in code for code in blocks)
+    first_expq = next(i for i, code in enumerate(blocks) if "import expq" in code)
+    assert all("import expq" not in code for code in blocks[:first_expq])
+    runner = ("import sys, torch\nfor i, code in enumerate(BLOCKS):\n    ns = {}\n    exec(compile(code, f'block{i}', 'exec'), ns)\n"
+              "    with torch.no_grad():\n        print('LOGITS', i, tuple(ns['model'](torch.tensor([[1, 2, 3]])).logits.shape))\n")
+    r = subprocess.run([sys.executable, "-c", f"BLOCKS = {blocks!r}\n" + runner], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, f"{fmt} card block failed:\n{r.stderr[-3000:]}"
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("LOGITS")] == \
+        [f"LOGITS {i} (1, 3, 320)" for i in range(len(blocks))], r.stdout
 
 
 @pytest.mark.gpu
