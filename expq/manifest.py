@@ -17,6 +17,10 @@ from .errors import SourceError
 MANIFEST = "expq.json"
 
 
+# Files `expq push` writes into OUT (the model card): not part of the conversion's bytes; verify does not compare
+# them and a re-run of convert keeps them.
+PUSH_WRITES = ("README.md",)
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "24", true, 24.0 are not 24
 

@@ -29,6 +29,7 @@ from .checkpoint import ConvertedCheckpoint, LayerExperts
 from .devices import parse_devices
 from .errors import ExpqError, HubError, UnreadableInputError, UsageError
 from .kernels import select_backend
+from .manifest import PUSH_WRITES
 from .source import INDEX_NAME
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
@@ -185,8 +186,7 @@ def _structure_checks(ck: ConvertedCheckpoint, problems: list[str]) -> list[Chec
             _check_quantization_config(ck, problems), _check_modules_present(ck, problems)]
 
 
-# Files a push rewrites in OUT (the model card): listed, but their bytes are not the checkpoint's.
-UNCHECKED_FILES = ("README.md",)
+UNCHECKED_FILES = PUSH_WRITES  # files a push rewrites in OUT (the model card): listed, their bytes not the checkpoint's
 
 
 def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check:

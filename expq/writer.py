@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from .errors import ExpqError, UsageError
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, PUSH_WRITES, Manifest
 from .plan import OutTensor, Plan
 
 PARTIAL = ".expq-partial"
@@ -247,23 +247,40 @@ class OutputDir:
         if MANIFEST not in entries:
             raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
                              "delete its contents", file=str(self.out))
+        foreign = self._foreign_files()
+        if foreign:
+            raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
+                             "replace it, which would delete them: move them out of OUT first", file=str(self.out))
         old = _manifest_fingerprint(self.out)
         if old != self.fingerprint and not self.overwrite:
             raise UsageError(f"OUT holds an expq conversion with other settings ({_differences(old, self.fingerprint)})"
                              "; pass --overwrite to replace it", file=str(self.out))
 
+    def _present(self) -> set[str]:
+        return {p.relative_to(self.out).as_posix() for p in self.out.rglob("*") if p.is_file()} - {MANIFEST}
+
+    def _foreign_files(self) -> list[str]:
+        """Files in an expq OUT that its expq.json does not list (the model card a push writes excepted)."""
+        try:
+            listed = {f.name for f in Manifest.load(self.out).files}
+        except ExpqError:
+            return []
+        if not listed:
+            return []
+        return sorted(self._present() - listed - set(PUSH_WRITES))
+
     def up_to_date(self) -> bool:
         """Whether OUT already holds exactly this conversion: same settings, and every file the manifest lists is
-        there with its size and sha256 (content checked, not names), and nothing else."""
+        there with its size and sha256 (content checked, not names), and nothing else. The model card a push
+        writes (``PUSH_WRITES``) is not compared: it is kept."""
         if _manifest_fingerprint(self.out) != self.fingerprint:
             return False
         try:
             m = Manifest.load(self.out)
         except ExpqError:
             return False
-        listed = {f.name: f for f in m.files}
-        present = {p.relative_to(self.out).as_posix() for p in self.out.rglob("*") if p.is_file()} - {MANIFEST}
-        if not listed or present != set(listed):
+        listed = {f.name: f for f in m.files if f.name not in PUSH_WRITES}
+        if not listed or self._present() - set(PUSH_WRITES) != set(listed):
             return False
         return all((self.out / n).stat().st_size == f.size and sha256_file(self.out / n) == f.sha256
                    for n, f in listed.items())

@@ -154,6 +154,28 @@ def test_many_simultaneous_starts(reference, tmp_path):
     assert tree_digest(out) == new and leftovers(tmp_path) == []
 
 
+def test_a_file_expq_did_not_write_is_never_deleted(reference, tmp_path):
+    """A user's file in an expq OUT: every re-run (same settings after a change, other settings, --overwrite) is
+    refused naming it, and it is still there; the model card a push writes is kept and does not force a redo."""
+    src, new, _, _ = reference
+    out = tmp_path / "out"
+    expq.convert(src, out, device="cpu")
+    (out / "model.safetensors").write_bytes(b"x" * (out / "model.safetensors").stat().st_size)  # needs a redo
+    (out / "notes.txt").write_text("mine")
+    for extra in ((), ("--max-shard-size", SHARD), ("--overwrite",)):
+        code, text = convert_cli(src, out, *extra)
+        assert code == 2 and "notes.txt" in text and "expq did not write" in text, text
+        assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    expq.convert(src, out, device="cpu")
+    assert tree_digest(out) == new
+    (out / "README.md").write_text("# a model card written by expq push\n")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    report = expq.convert(src, out, device="cpu")
+    assert report.up_to_date and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+    assert expq.verify(out).ok
+
+
 def test_rerun_on_a_complete_out_is_a_quick_noop(reference, tmp_path):
     src, new, _, _ = reference
     out = tmp_path / "out"
