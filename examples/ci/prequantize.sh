@@ -141,32 +141,13 @@ if [ "$rc" -ne 0 ]; then
   finish verify "$rc"
 fi
 
-# 5. Push (verify again without the source: every file against expq.json's sha256; resumable upload), from a
-# hard-linked view of OUT: push writes its model card as README.md into the folder it pushes, and a README.md that
-# expq.json does not record makes the next `expq convert` into OUT redo the whole conversion instead of its no-op.
-PUSHDIR=$WORK/push/$SHA-$EXPQ_FORMAT
-OUT=$OUT PUSHDIR=$PUSHDIR "$PYTHON" - <<'PY'
-import os, shutil
-out, view = os.environ["OUT"], os.environ["PUSHDIR"]
-shutil.rmtree(view, ignore_errors=True)
-for d, _, files in os.walk(out):
-    rel = os.path.relpath(d, out)
-    os.makedirs(os.path.join(view, rel), exist_ok=True)
-    for f in files:
-        a, b = os.path.join(d, f), os.path.join(view, rel, f)
-        if rel == "." and f == "README.md":
-            shutil.copyfile(a, b)  # push rewrites this one: a copy, so OUT's stays as convert wrote it
-            continue
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copyfile(a, b)
-PY
+# 5. Push (verify again without the source: every file against expq.json's sha256; resumable upload). The model
+# card push writes into OUT as README.md is kept by later `expq convert` runs, which stay no-ops.
 set -- --commit-message "expq: $SRC_REPO@$SHA ($EXPQ_FORMAT)"
 [ -z "$TARGET_REVISION" ] || set -- "$@" --revision "$TARGET_REVISION"
 [ "${EXPQ_PRIVATE:-0}" != 1 ] || set -- "$@" --private
 rc=0
-"$EXPQ" push "$PUSHDIR" "$TARGET_REPO" --json "$@" >"$WORK/push.json" || rc=$?
+"$EXPQ" push "$OUT" "$TARGET_REPO" --json "$@" >"$WORK/push.json" || rc=$?
 [ "$rc" -eq 0 ] || finish push "$rc"
 echo "prequantize.sh: pushed $(json "$WORK/push.json" checked_remote) files to $TARGET_REPO" >&2
 finish push 0 true
