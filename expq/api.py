@@ -335,7 +335,7 @@ class _RayRun:
         cluster.prepare_repo(repo_id, token, private=private)
         results: dict = {}
         self._run(cluster.task_groups(plan), dest=None,
-                  upload={"repo_id": repo_id, "token": token, "revision": None},
+                  upload=cluster.upload_settings(repo_id, token),
                   on_shard=lambda r, rows: results.__setitem__(r.name, r))
         outdir = OutputDir(here, fingerprint=self.settings)
         outdir.start()

@@ -44,13 +44,9 @@ from .writer import OutputError
 
 MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
 MAX_FILES_PER_COMMIT = 100  # --to-hub: more files than this are committed in several commits, the small files last
-FORWARDED_ENV = ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_ENABLE_HF_TRANSFER", "HF_HUB_DOWNLOAD_TIMEOUT",
-                 "HF_HUB_ETAG_TIMEOUT", "EXPQ_RAY_FAULT")
-"""Environment variables of the driver that its tasks see too (where the Hub is, how to reach it; the test seam).
-The token travels as a task argument, never in the environment."""
 FAULT_ENV = "EXPQ_RAY_FAULT"
-"""Test seam: ``kill-once:MARKER`` kills the worker (SIGKILL) after the first tensor it writes, unless the file
-``MARKER`` exists (it is created first, so the retry runs through)."""
+"""Test seam, read on the driver and handed to its tasks: ``kill-once:MARKER`` kills the worker (SIGKILL) after the
+first tensor it writes, unless the file ``MARKER`` exists (it is created first, so the retry runs through)."""
 TASK_BASE_MEMORY = 512 << 20
 
 
@@ -157,7 +153,7 @@ _NO_ROWS = {"zero": 0, "underflow": 0, "nonfinite": 0, "underflow_examples": [],
 
 
 def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict | None, device: str,
-          allow_nonfinite: bool, fsync: bool) -> tuple[list[ShardResult], dict[int, dict]]:
+          allow_nonfinite: bool, fsync: bool, fault: str) -> tuple[list[ShardResult], dict[int, dict]]:
     """One Ray task: ``write_shards`` of its group, reading a directory SRC in place or downloading its Hub files
     into a temporary folder; writing into ``dest`` (OUT's staging folder) or, with ``upload``, into a temporary
     folder whose shards it uploads and deletes."""
@@ -173,15 +169,14 @@ def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict 
         folder = Path(dest) if dest is not None else Path(tmp) / "out"
         results, rows = write_shards(plan, list(group.shards), folder, device=device,
                                      allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
-                                     on_progress=_fault_hook())
+                                     on_progress=_fault_hook(fault))
         if upload is not None:
             for r, op in zip(results, _upload_shards(folder, [r.name for r in results], **upload)):
                 r.operation = op
     return results, rows
 
 
-def _fault_hook() -> Callable[[int, int], None] | None:
-    spec = os.environ.get(FAULT_ENV, "")
+def _fault_hook(spec: str) -> Callable[[int, int], None] | None:
     if not spec.startswith("kill-once:"):
         return None
     marker = Path(spec.removeprefix("kill-once:"))
@@ -194,22 +189,37 @@ def _fault_hook() -> Callable[[int, int], None] | None:
     return hook
 
 
-def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, revision: str | None) -> list:
+def upload_settings(repo_id: str, token: str) -> dict:
+    """What a task needs to upload into ``repo_id`` as this process would: the token, this process's Hub
+    (``HF_ENDPOINT``) and whether it uses Xet (``HF_HUB_DISABLE_XET``)."""
+    from huggingface_hub import constants
+
+    return {"repo_id": repo_id, "token": token, "revision": None, "endpoint": constants.ENDPOINT,
+            "disable_xet": bool(constants.HF_HUB_DISABLE_XET)}
+
+
+def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, revision: str | None,
+                   endpoint: str | None, disable_xet: bool) -> list:
     """Upload shard files to the repo's LFS storage (``preupload_lfs_files``: no commit yet) and return their
     ``CommitOperationAdd`` with the content dropped (the driver commits them)."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.utils import disable_progress_bars
 
     from .hub import _translate
 
     disable_progress_bars()
     ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
+    xet_before = constants.HF_HUB_DISABLE_XET
+    constants.HF_HUB_DISABLE_XET = disable_xet  # the driver's choice, for this task (a worker runs one at a time)
     try:
-        HfApi(token=token).preupload_lfs_files(repo_id, additions=ops, revision=revision, free_memory=True)
+        HfApi(endpoint=endpoint, token=token).preupload_lfs_files(repo_id, additions=ops, revision=revision,
+                                                                  free_memory=True)
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001 - one line, like expq push
         raise _translate(e, repo_id, token) from None
+    finally:
+        constants.HF_HUB_DISABLE_XET = xet_before
     for op in ops:
         if op._upload_mode != "lfs":
             raise HubError("the Hub wants this shard as a regular (non-LFS) file; expq uploads shards through LFS "
@@ -275,11 +285,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _task_env() -> dict:
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    return {"runtime_env": {"env_vars": env}} if env else {}
-
-
 def _resources(group: TaskGroup, device: str) -> dict:
     spec = (device or "auto").strip()
     gpus = len(spec.split(",")) if spec.startswith("cuda") else 0
@@ -297,7 +302,7 @@ def _task_device(device: str) -> str:
 
 def source_identity(ray, source) -> list[list]:
     """``api.local_identity`` of a directory SRC, computed by a task (the driver reads no weight byte)."""
-    remote = ray.remote(_identity_task).options(num_cpus=1, max_retries=MAX_RETRIES, **_task_env())
+    remote = ray.remote(_identity_task).options(num_cpus=1, max_retries=MAX_RETRIES)
     return _get(ray, remote.remote(source), "the source identity")
 
 
@@ -352,9 +357,9 @@ def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, li
     for g in groups:
         names = g.names(plan)
         opts = dict(**_resources(g, device), max_retries=MAX_RETRIES, retry_exceptions=list(TRANSIENT),
-                    name=f"expq:{names[0]}" + (f"+{len(names) - 1}" if len(names) > 1 else ""), **_task_env())
+                    name=f"expq:{names[0]}" + (f"+{len(names) - 1}" if len(names) > 1 else ""))
         ref = fn.options(**opts).remote(plan_ref, g, str(dest) if dest is not None else None, listing, upload,
-                                        _task_device(device), allow_nonfinite, fsync)
+                                        _task_device(device), allow_nonfinite, fsync, os.environ.get(FAULT_ENV, ""))
         pending[ref] = g
     try:
         while pending:
