@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import shlex
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,6 +66,8 @@ class ConvertReport:
     up_to_date: bool = False  # OUT already held exactly this conversion: nothing was done
     shards_resumed: int = 0  # output shards an interrupted earlier run had finished, kept (content checked)
     stream_peak_bytes: int | None = None  # --stream: the most bytes the stream folder held at once (else None)
+    ray_tasks: list[list[str]] | None = None  # --ray: the output shards each task of this run wrote (else None)
+    hub_commits: list[str] | None = None  # --to-hub: the commit URLs (one, or batches for very many files)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,10 +97,11 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
         raise UsageError(str(e)) from None
 
 
-def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, dtype: str = "auto",
+def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEFAULT_FORMAT, dtype: str = "auto",
             device: str = "auto", revision: str | None = None, max_shard_size: str | int = "5GB",
             overwrite: bool = False, layout: str | Path | Layout | None = None, allow_nonfinite: bool = False,
-            token: str | None = None, fsync: bool = True, stream: bool = False,
+            token: str | None = None, fsync: bool = True, stream: bool = False, ray: str | None = None,
+            to_hub: str | None = None, private: bool = False,
             on_plan: Callable[[Plan], None] | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
@@ -124,8 +129,18 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         stream: for a Hub repo: plan from the shard headers (ranged reads), then download the shards a few at a
             time into ``.<OUT>.expq-stream/`` beside OUT, deleting each once converted, instead of using the Hub
             cache (peak disk: OUT + 3 source shards; see ``streaming``). A killed run resumes from that folder.
+        ray: run on a Ray cluster (``local``: a new one on this machine; ``auto``: the one this machine belongs
+            to; ``HOST:PORT`` or ``ray://HOST:PORT``; an already initialised Ray is used as it is): the driver
+            plans from headers only, one task per group of output shards converts them where the cluster puts it
+            (a directory SRC and OUT must be on a filesystem every node sees; a Hub SRC is downloaded by the tasks,
+            each its own shards), and the driver records, writes the small files and commits. The output is
+            byte-identical. See ``cluster``.
+        to_hub: with ``ray``, publish to this Hub model repo instead of writing ``out`` (None): each task uploads
+            its shards, the driver makes one commit with them, config, index, ``expq.json`` and the model card
+            (``hub.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
         on_plan: called with the plan before any work; on_progress: called after each source tensor with
             (its bytes, output shards finished so far); an exception either raises stops the conversion cleanly.
+            With ``ray``, once per task, with its source bytes.
 
     Returns:
         ConvertReport.
@@ -139,6 +154,12 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
     t0 = time.perf_counter()
     if format not in FORMATS and format != AUTO:
         raise UsageError(f"unknown --format {format!r}; supported: {AUTO}, {', '.join(FORMATS)}")
+    _check_targets(out, ray, to_hub)
+    if ray is not None:
+        return _convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
+                               device=device, revision=revision, max_shard_size=max_shard_size, overwrite=overwrite,
+                               layout=layout, allow_nonfinite=allow_nonfinite, token=token, fsync=fsync,
+                               on_plan=on_plan, on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
     warm_up(devices)
     with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
@@ -150,7 +171,7 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
         outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
         if outdir.up_to_date():
             outdir.finish_up_to_date()
-            return _report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0, feeder,
+            return make_report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0, feeder,
                            up_to_date=True)
         outdir.start()
         shards = ShardSet(plan, outdir, fsync=fsync)
@@ -160,12 +181,12 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
                     on_plan(plan)
                 stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
                                  done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
-                man = _write_side_files(plan, outdir, stats, allow_nonfinite, settings,
-                                        _command(plan, dtype, allow_nonfinite, layout is not None))
+                man = write_side_files(plan, outdir, stats, allow_nonfinite, settings,
+                                        command_line(plan, dtype, allow_nonfinite, layout is not None))
                 outdir.commit()
         except BaseException as e:
             shards.close_all()
-            if _resumable(e):
+            if resumable(e):
                 outdir.release()  # staging and journal stay: the same command resumes
                 if isinstance(e, Interrupted):
                     raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
@@ -174,10 +195,163 @@ def convert(src: str | Path, out: str | Path, *, format: str = DEFAULT_FORMAT, d
             else:
                 outdir.discard()
             raise
-    return _report(plan, outdir, man, devices, time.perf_counter() - t0, feeder)
+    return make_report(plan, outdir, man, devices, time.perf_counter() - t0, feeder)
 
 
-def _resumable(e: BaseException) -> bool:
+def _check_targets(out, ray: str | None, to_hub: str | None) -> None:
+    if to_hub is not None and ray is None:
+        raise UsageError("--to-hub needs --ray: its tasks upload the shards they write (on one machine, convert "
+                         "to OUT and run `expq push OUT REPO`)")
+    if to_hub is not None and out is not None:
+        raise UsageError("give OUT or --to-hub, not both")
+    if to_hub is None and out is None:
+        raise UsageError("missing OUT (or --to-hub REPO with --ray)")
+
+
+# --- --ray: the driver's steps ---------------------------------------------------------------------------------------
+def _convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool, format: str, dtype: str,
+                    device: str, revision: str | None, max_shard_size, overwrite: bool, layout, allow_nonfinite: bool,
+                    token: str | None, fsync: bool, on_plan, on_progress, t0: float) -> ConvertReport:
+    """``convert`` with ``ray``: connect; open the source from headers only; plan; the source's identity (by a
+    task, for a directory); then into OUT (``_ray_into_out``) or to the Hub (``_ray_to_hub``)."""
+    from . import cluster
+
+    hub_token = cluster.check_target(to_hub, token) if to_hub is not None else None
+    with contextlib.ExitStack() as stack:
+        here = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="expq-driver-"))) / "out" \
+            if to_hub is not None else Path(out)
+        ray = stack.enter_context(cluster.connected(address))
+        source, listing = stack.enter_context(_headers_only(src, here, revision=revision, token=token or hub_token))
+        try:
+            plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        identity = cluster.source_identity(ray, source) if listing is None else None
+        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=identity)
+        run = _RayRun(ray, plan, settings, listing, device=device, allow_nonfinite=allow_nonfinite, fsync=fsync,
+                      command=command_line(plan, dtype, allow_nonfinite, layout is not None), on_plan=on_plan,
+                      on_progress=on_progress)
+        if to_hub is not None:
+            return run.to_hub(here, to_hub, hub_token, private=private, t0=t0)
+        return run.into_out(here, overwrite=overwrite, src_root=None if listing is not None else source.root, t0=t0)
+
+
+@contextlib.contextmanager
+def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
+    """(the Source, the Hub listing the tasks download from, or None for a directory), reading no weight byte: a
+    directory's headers, or a Hub repo's by ranged reads (``streaming.streamed``; its folder holds the side files
+    only)."""
+    p = Path(src).expanduser()
+    if p.exists():
+        yield resolve_source(p, revision=revision), None
+        return
+    if token is None:
+        from huggingface_hub import get_token
+
+        token = get_token()  # the tasks, on other machines, read with the driver's token
+    with streamed(str(src), out, revision=revision, token=token, keep=resumable) as (source, stream):
+        yield source, stream.listing
+
+
+class _RayRun:
+    """What the two ways of ending a ``--ray`` conversion share: the plan, its settings, the tasks' options."""
+
+    def __init__(self, ray, plan: Plan, settings: dict, listing, *, device: str, allow_nonfinite: bool, fsync: bool,
+                 command: str, on_plan, on_progress):
+        self.ray, self.plan, self.settings, self.listing = ray, plan, settings, listing
+        self.device, self.allow_nonfinite, self.fsync, self.command = device, allow_nonfinite, fsync, command
+        self.on_plan, self.on_progress = on_plan, on_progress
+        self.rows: dict[int, dict] = {}
+        self.tasks: list[list[str]] = []
+        self.finished = 0
+
+    def _run(self, groups, *, dest: Path | None, upload: dict | None, on_shard) -> None:
+        from . import cluster
+
+        def on_result(group, results, rows):
+            self.rows.update(rows)
+            self.tasks.append([r.name for r in results])
+            for r in results:
+                on_shard(r, rows)
+            self.finished += len(results)
+            if self.on_progress:
+                self.on_progress(group.bytes_in, self.finished)
+
+        with stop_on_signals() as stop:
+            if self.on_plan:
+                self.on_plan(self.plan)
+            done_bytes = self.plan.bytes_in - sum(g.bytes_in for g in groups)
+            if self.on_progress and done_bytes:
+                self.on_progress(done_bytes, self.finished)
+            cluster.run_tasks(self.ray, self.plan, groups, dest=dest, listing=self.listing, upload=upload,
+                              device=self.device, allow_nonfinite=self.allow_nonfinite, fsync=self.fsync, stop=stop,
+                              on_result=on_result)
+
+    def _report(self, outdir: OutputDir, man: Manifest, t0: float, **changes) -> ConvertReport:
+        rep = make_report(self.plan, outdir, man, [f"ray ({self.device})"], time.perf_counter() - t0, None)
+        return dataclasses.replace(rep, ray_tasks=self.tasks, **changes)
+
+    def into_out(self, out: Path, *, overwrite: bool, src_root: Path | None, t0: float) -> ConvertReport:
+        """Tasks write into OUT's staging folder; each result goes into the journal as it comes (a re-run keeps
+        those shards); then the small files and the one commit."""
+        from . import cluster
+
+        plan = self.plan
+        outdir = OutputDir(out, fingerprint=self.settings, overwrite=overwrite, src_root=src_root)
+        if outdir.up_to_date():
+            outdir.finish_up_to_date()
+            return self._report(outdir, Manifest.load(outdir.out), t0, up_to_date=True)
+        outdir.start()
+        self.rows = dict(outdir.done_jobs)
+        self.finished = len(outdir.kept)
+        kept = {k for k, n in enumerate(plan.shard_names) if n in outdir.kept}
+        try:
+            self._run(cluster.task_groups(plan, skip=kept), dest=outdir.staging, upload=None,
+                      on_shard=lambda r, rows: outdir.record(r.name, jobs=rows, sha256=r.sha256))
+            man = write_side_files(plan, outdir, RunStats(by_job=self.rows).finish(), self.allow_nonfinite,
+                                   self.settings, self.command)
+            outdir.commit()
+        except BaseException as e:
+            if resumable(e) or getattr(e, "resumable", False):
+                outdir.release()
+                if isinstance(e, Interrupted):
+                    raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
+                                      f"{self.finished} of {len(plan.shard_names)} shards are kept: re-run the "
+                                      "same command to resume") from None
+            else:
+                outdir.discard()
+            raise
+        return self._report(outdir, man, t0)
+
+    def to_hub(self, here: Path, repo_id: str, token: str, *, private: bool, t0: float) -> ConvertReport:
+        """Tasks upload their shards; the driver lays down the small files beside sparse stand-ins of the shards
+        (real headers and sizes, for the card), commits them locally, writes the card, and publishes it all in one
+        commit."""
+        from . import cluster
+        from .hub import model_card
+        from .writer import placeholder_shard
+
+        plan = self.plan
+        cluster.prepare_repo(repo_id, token, private=private)
+        results: dict = {}
+        self._run(cluster.task_groups(plan), dest=None,
+                  upload=cluster.upload_settings(repo_id, token),
+                  on_shard=lambda r, rows: results.__setitem__(r.name, r))
+        outdir = OutputDir(here, fingerprint=self.settings)
+        outdir.start()
+        for k, name in enumerate(plan.shard_names):
+            placeholder_shard(plan, k, outdir.path(name))
+            outdir.record(name, sha256=results[name].sha256)
+        man = write_side_files(plan, outdir, RunStats(by_job=self.rows).finish(), self.allow_nonfinite,
+                               self.settings, self.command)
+        outdir.commit()
+        (here / "README.md").write_text(model_card(here, repo_id))
+        urls, _ = cluster.publish(here, plan, results, repo_id, token,
+                                  commit_message=f"Upload experts-int8 checkpoint made with expq {__version__}")
+        return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)
+
+
+def resumable(e: BaseException) -> bool:
     """Whether the same command resumes after ``e``: an interrupt, a failed write (disk full...), or a Hub failure
     during a ``--stream`` download. The staging folder, journal and stream folder are kept for it; after any other
     error they are removed."""
@@ -188,11 +362,11 @@ def _resumable(e: BaseException) -> bool:
 def _opened_source(src: str | Path, out: str | Path, *, stream: bool, revision: str | None, token: str | None):
     """(the Source, the ShardStream that feeds its shards, or None): ``resolve_source``, or with ``stream``
     ``streaming.streamed`` (the stream folder is removed after a success and after an error that is not
-    ``_resumable``)."""
+    ``resumable``)."""
     if not stream:
         yield resolve_source(src, revision=revision, token=token), None
         return
-    with streamed(str(src), out, revision=revision, token=token, keep=_resumable) as opened:
+    with streamed(str(src), out, revision=revision, token=token, keep=resumable) as opened:
         yield opened
 
 
@@ -220,21 +394,22 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
-def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool) -> dict:
+def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool, identity: list[list] | None = None) -> dict:
     """What makes two conversions the same (recorded in the journal and expq.json; resume and the no-op re-run
     compare it): expq's version, the options, the layout's text, and the source's identity (a Hub commit; else
     every file's size, each shard header's sha256, and the sha256 of the first and last MiB of each shard's data
-    and of every side file). Deterministic: no paths, no times."""
+    and of every side file; ``identity``: that list when it was computed elsewhere, by ``local_identity``: with
+    ``--ray`` a task reads those bytes, not the driver). Deterministic: no paths, no times."""
     src = plan.source
     return {"expq_version": __version__, "format": plan.format.name, "dtype": dtype,
             "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "max_shard_size": plan.max_shard_size,
             "layout_sha256": hashlib.sha256(plan.layout.source_text.encode()).hexdigest(),
             "allow_nonfinite": allow_nonfinite,
             "source": {"repo_id": src.repo_id, "commit": src.commit} if src.repo_id and src.commit
-            else {"files": _local_identity(src)}}
+            else {"files": identity if identity is not None else local_identity(src)}}
 
 
-def _local_identity(src: Source) -> list[list]:
+def local_identity(src: Source) -> list[list]:
     """A local source's identity for ``run_settings``: per shard [file, size, header sha256, sha256 of the first
     and last MiB of its data]; per side file [file, size, sha256]."""
     files = []
@@ -253,7 +428,7 @@ def _local_identity(src: Source) -> list[list]:
     return files
 
 
-def _report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float,
+def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float,
             feeder: ShardStream | None, up_to_date: bool = False) -> ConvertReport:
     em, src, rows = plan.experts, plan.source, man.rows
     return ConvertReport(
@@ -270,7 +445,7 @@ def _report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds
         stream_peak_bytes=feeder.peak_bytes if feeder is not None else None)
 
 
-def _command(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:
+def command_line(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:
     """The ``expq convert`` command line that reproduces OUT (options that differ from the defaults only; the
     output directory is written ``OUT`` so that the manifest does not depend on where it was written)."""
     src = plan.source.repo_id or plan.source.root.name
@@ -303,7 +478,7 @@ def _source_card(source: Source) -> dict:
         return {}
 
 
-def _write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool, settings: dict,
+def write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfinite: bool, settings: dict,
                       command: str) -> Manifest:
     """Side files, index and config.json, then expq.json listing every other file's size and sha256."""
     source = plan.source

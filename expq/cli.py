@@ -99,7 +99,8 @@ def _human(n: float) -> str:
 @app.command()
 def convert(
     src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
-    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory (must not exist or be empty).")],
+    out_dir: Annotated[Optional[Path], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
+                                                      "be empty); omitted with --to-hub.")] = None,
     format: Annotated[str, typer.Option("--format", help="Output format: auto (the family's default; inspect says "
                                         "which and why), compressed-tensors or experts-int8.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (vLLM's --dtype auto rule), bfloat16, float16, "
@@ -119,6 +120,15 @@ def convert(
                                                           ".<OUT>.expq-stream/ beside OUT and delete each once "
                                                           "converted (peak disk: OUT + 3 source shards; no Hub "
                                                           "cache). A killed run resumes.")] = False,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="local|auto|ADDRESS",
+                                               help="Run on a Ray cluster: local (a new one on this machine), auto "
+                                                    "(the one this machine belongs to) or HOST:PORT / "
+                                                    "ray://HOST:PORT. One task per group of output shards; the same "
+                                                    "bytes as without.")] = None,
+    to_hub: Annotated[Optional[str], typer.Option("--to-hub", metavar="REPO",
+                                                  help="With --ray: publish to this Hub model repo instead of OUT "
+                                                       "(the tasks upload their shards; one commit).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --to-hub: create the repo private.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
@@ -129,8 +139,8 @@ def convert(
     with errors_to_exit_codes(), bar:
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
                              max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
-                             allow_nonfinite=allow_nonfinite, token=token, stream=stream, on_plan=bar.on_plan,
-                             on_progress=bar.on_progress)
+                             allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray, to_hub=to_hub,
+                             private=private, on_plan=bar.on_plan, on_progress=bar.on_progress)
     if as_json:
         print(json.dumps(report.to_dict()))
         return
@@ -149,6 +159,10 @@ def convert(
     ]
     if report.nonfinite_rows:
         rows.append(("non-finite rows (allowed)", str(report.nonfinite_rows)))
+    if report.ray_tasks is not None:
+        rows.append(("ray tasks", f"{len(report.ray_tasks)} (writing {sum(map(len, report.ray_tasks))} shards)"))
+    for url in report.hub_commits or []:
+        rows.append(("commit", url))
     if report.stream_peak_bytes is not None:
         rows.append(("stream folder at most", _human(report.stream_peak_bytes)))
     if report.up_to_date:

@@ -22,6 +22,10 @@ class ExpqError(Exception):
         self.hint = hint
         super().__init__(self._line())
 
+    def __reduce__(self):
+        """Picklable with its location (a Ray task raises it in one process and the driver reads it in another)."""
+        return _rebuild, (type(self), dict(self.__dict__))
+
     def _line(self) -> str:
         where = []
         if self.file is not None:
@@ -36,6 +40,13 @@ class ExpqError(Exception):
         if self.hint:
             line += f" ({self.hint})"
         return line.replace("\n", " ")
+
+
+def _rebuild(cls: type, state: dict) -> ExpqError:
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    Exception.__init__(err, err._line())
+    return err
 
 
 class UsageError(ExpqError):
@@ -65,6 +76,14 @@ class UnreadableInputError(ExpqError):
     def from_error(cls, e: ExpqError) -> "UnreadableInputError":
         """The same message and location, as an unreadable-input error."""
         return cls(e.message, file=e.file, tensor=e.tensor, expert=e.expert, row=e.row, hint=e.hint)
+
+
+class ClusterError(ExpqError):
+    """``--ray``: the cluster cannot be reached, or a task failed after its retries (the line names its output
+    shards and the cause). ``exit_code``: the cause's where it was an expq error, else 1; ``resumable``: whether
+    the same command resumes (the staging folder and journal are kept)."""
+
+    resumable = True
 
 
 class Interrupted(ExpqError):

@@ -183,7 +183,8 @@ class RemoteFile:
 class StreamListing:
     """What ``fetch_listing`` found: the repo, the revision asked for and the commit it is (every download is
     pinned to it), the token, the weight files with their sizes and hashes (name order) and the other files
-    (already downloaded)."""
+    (already downloaded); ``endpoint``: the Hub it was listed from (``--ray`` tasks, in other processes, download
+    from the same one)."""
 
     repo: str
     revision: str
@@ -191,6 +192,7 @@ class StreamListing:
     token: str | bool | None
     weights: dict[str, RemoteFile]
     side: list[str]
+    endpoint: str | None = None
 
     def where(self, rel: str) -> str:
         """How error lines name a file of the repo before it is downloaded: ``hf://org/name[@revision]/path``."""
@@ -227,7 +229,7 @@ def fetch_listing(repo: str, folder: Path, *, revision: str | None = None,
         raise
     except Exception as e:  # noqa: BLE001 - every Hub failure is classified; the rest is re-raised
         raise hub_failure(e, repo, rev, token) from None
-    return StreamListing(repo, rev, info.sha, token, weights, side)
+    return StreamListing(repo, rev, info.sha, token, weights, side, endpoint=constants.ENDPOINT)
 
 
 def _remote_file(sibling) -> RemoteFile:

@@ -341,7 +341,7 @@ class ShardStream:
         lst = self.listing
         try:
             hf_hub_download(lst.repo, rel, revision=lst.commit, token=lst.token, local_dir=self.folder,
-                            tqdm_class=functools.partial(_Meter, self._closing))
+                            tqdm_class=functools.partial(_Meter, self._closing), endpoint=lst.endpoint)
         except (_Cancelled, ExpqError):
             raise
         except Exception as e:  # noqa: BLE001 - classified below; what is not a Hub failure is re-raised

@@ -433,6 +433,49 @@ class OutputDir:
                 self._lock_fd = None
 
 
+class ShardFolder:
+    """Where one part of a conversion writes its output shards (``--ray``: one task, on any node): the ``OutputDir``
+    seam that ``ShardSet`` uses, without the lock, journal or commit, which stay with the driver's OutputDir.
+
+    Args:
+        folder: where the shard files go (the driver's staging folder on a shared filesystem, or a node-local
+            temporary folder).
+        names: the shards this part writes; every other shard of the plan counts as finished elsewhere (``kept``).
+        all_names: every shard name of the plan.
+
+    ``records``: for each shard written and fsync'd, {size, sha256, jobs (row findings so far)}, as the journal
+    would record it.
+    """
+
+    def __init__(self, folder: Path, names: list[str], all_names: list[str]):
+        self.staging = Path(folder)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        self.kept: dict[str, dict] = {n: {} for n in all_names if n not in set(names)}
+        self.records: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        p = self.staging / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def record(self, name: str, jobs: dict | None = None, sha256: str | None = None) -> None:
+        p = self.staging / name
+        rec = {"size": p.stat().st_size, "sha256": sha256 or sha256_file(p), "jobs": dict(jobs or {})}
+        with self._lock:
+            self.records[name] = rec
+
+
+def placeholder_shard(plan: Plan, k: int, path: Path) -> None:
+    """A sparse stand-in for output shard ``k``: its real header (the plan fixes it) and its real size, no data
+    (``--to-hub``: the driver reads headers and sizes from it, for the model card, and never holds the weights)."""
+    members = [o for o in plan.outputs if o.shard == k]
+    header = safetensors_header(members)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + plan.shard_sizes[k])
+
+
 def _check_location(out: Path, src_root: Path | None, given) -> None:
     if src_root is not None:
         s, o = src_root.resolve(), out.resolve()

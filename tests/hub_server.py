@@ -23,6 +23,11 @@ the tree lists answer 404 ``EntryNotFound`` when downloaded; ``reject_tokens`` a
 Downloads honour a single ``Range: bytes=first-last`` (also ``first-`` and ``-suffix``) with 206 Partial Content and
 ``Content-Range``, 416 when it starts past the end; ``transfers(repo_id)`` lists what was sent, byte ranges included;
 ``hold(repo_id, path)`` keeps a download waiting until the test releases it.
+
+Which process asked (Linux): with ``track_clients = True`` the server looks up, for every connection, the process
+that holds the client end of it (``/proc/net/tcp`` and ``/proc/*/fd``, the server and its clients on one machine),
+and ``transfers_by_pid(repo_id)`` lists each file content sent with that process id: a test can tell a driver's
+requests from its worker processes' (``--ray``).
 """
 
 from __future__ import annotations
@@ -184,6 +189,8 @@ class HubServer:
         self.stats: Counter[str] = Counter()  # requests received, per endpoint name
         self.uploaded_oids: list[str] = []  # LFS objects whose upload completed, in order
         self.requests: list[tuple[str, str, str, int]] = []  # (method, path, endpoint, status)
+        self.track_clients = False  # look up the client process of every connection (see transfers_by_pid)
+        self.served_pids: list[int | None] = []  # with track_clients: the client process of each `served` entry
         self._lock = threading.RLock()
         self._counter = 0
         self._httpd: ThreadingHTTPServer | None = None
@@ -281,6 +288,13 @@ class HubServer:
         with self._lock:
             return [(p, st, a, n) for r, p, st, a, n in self.served if r == repo_id]
 
+    def transfers_by_pid(self, repo_id: str) -> list[tuple[int | None, str, int, int, int]]:
+        """(client process id, path, status, first byte, length) of every file content sent for ``repo_id``, in
+        order; the process id is None unless ``track_clients`` was set before the request (or not found)."""
+        with self._lock:
+            return [(pid, p, st, a, n) for (r, p, st, a, n), pid in zip(self.served, self.served_pids)
+                    if r == repo_id]
+
     def downloaded(self, repo_id: str) -> list[str]:
         """Paths of ``repo_id`` whose content was sent (GET on resolve answered 200/206), in order."""
         prefix = f"/{repo_id}/resolve/"
@@ -295,6 +309,7 @@ class HubServer:
             self.uploaded_oids.clear()
             self.requests.clear()
             self.served.clear()
+            self.served_pids.clear()
 
     # ------------------------------------------------------------------ seeding
     def create_repo(self, repo_id: str, repo_type: str = "model", private: bool = False) -> Repo:
@@ -964,6 +979,7 @@ class HubServer:
         if h.command == "GET":
             with self._lock:
                 self.served.append((repo_id, path, status, start, end - start + 1))
+                self.served_pids.append(h.client_pid() if self.track_clients else None)
         body = (self._object(entry.sha256), start, end - start + 1) if data is None else data[start:end + 1]
         return _Resp(status, body, headers)
 
@@ -986,6 +1002,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):  # keep pytest output clean
         pass
+
+    _pid: int | None = None
+    _pid_known = False
+
+    def client_pid(self) -> int | None:
+        """The process holding the client end of this connection (looked up once per connection)."""
+        if not self._pid_known:
+            self._pid, self._pid_known = _socket_owner(self.client_address[1], self.server.server_address[1]), True
+        return self._pid
 
     def iter_body(self) -> Iterator[bytes]:
         """The request body, decoded from Content-Length or chunked framing (read at most once)."""
@@ -1049,6 +1074,41 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = _do
+
+
+def _socket_owner(client_port: int, server_port: int) -> int | None:
+    """Linux: the process with an open TCP socket from local port ``client_port`` to ``server_port`` (the socket's
+    inode from /proc/net/tcp, then the process whose /proc/PID/fd links to it)."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == client_port and int(f[2].rsplit(":", 1)[1], 16) == server_port:
+                inode = f[9]
+                break
+        if inode:
+            break
+    if not inode:
+        return None
+    target = f"socket:[{inode}]"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    return int(proc.name)
+            except OSError:  # closed meanwhile
+                continue
+    return None
 
 
 # ---------------------------------------------------------------------- client-side helpers (lazy imports)

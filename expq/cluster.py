@@ -1,0 +1,461 @@
+"""``--ray``: one conversion spread over a Ray cluster, byte-identical to ``convert`` on one machine.
+
+The driver plans from headers only (a directory's shard headers; a Hub repo's by ranged reads, as ``--stream``)
+and never reads a weight byte: even the source identity that the journal and ``expq.json`` record (the first and
+last MiB of each local shard) is read by a task. Then:
+
+1. **Group** (``task_groups``): output shards that one source tensor feeds belong together; each group of output
+   shards (a connected component of the tensor / output-shard graph) is one task, with the source files its tensors
+   live in. So every output shard is written by exactly one task, and no tensor is converted twice.
+2. **Run** (``write_shards``, in each task): the normal pipeline (``run_plan``, ``ShardSet``) restricted to the
+   task's shards: the other shards count as finished elsewhere. A directory SRC is read in place (a shared
+   filesystem); a Hub SRC's files are downloaded by the task alone into a temporary folder on its node, a few at a
+   time (``streaming.ShardStream``), and deleted once converted. The shards go into OUT's staging folder (shared
+   filesystem), or, with ``--to-hub``, into a temporary folder from which the task uploads them itself
+   (``preupload_lfs_files``) and deletes them. A task returns only names, sizes, sha256 and row findings (and the
+   upload's ``CommitOperationAdd``, its content freed).
+3. **Record and commit** (the driver): each result goes into OUT's journal as it arrives (a re-run keeps those
+   shards and runs only the tasks of the missing ones); then config, index, side files and ``expq.json``, and the one
+   commit point of ``writer.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
+   shards, for the model card), the repo's README (``hub.model_card``), one commit with every file, then a check of
+   every remote size and hash.
+
+Tasks ask for ``num_cpus=1`` (and ``num_gpus=1`` per device with ``--device cuda...``) and ``memory`` from the
+plan's bytes; a task whose worker dies is retried (``MAX_RETRIES``), and so is one that fails on the network
+(``TRANSIENT``); other errors stop the run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import ClusterError, ExpqError, HubError, HubOfflineError, Interrupted, UsageError
+from .plan import Plan
+from .writer import OutputError
+
+MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
+MAX_FILES_PER_COMMIT = 100  # --to-hub: more files than this are committed in several commits, the small files last
+FAULT_ENV = "EXPQ_RAY_FAULT"
+"""Test seam, read on the driver and handed to its tasks: ``kill-once:MARKER`` kills the worker (SIGKILL) after the
+first tensor it writes, unless the file ``MARKER`` exists (it is created first, so the retry runs through)."""
+TASK_BASE_MEMORY = 512 << 20
+
+
+@dataclass(frozen=True)
+class TaskGroup:
+    """One task's work: output shards (indices into ``plan.shard_names``), the source files they are made from,
+    and the bytes of source tensors it reads."""
+
+    shards: tuple[int, ...]
+    files: tuple[str, ...]
+    bytes_in: int
+    memory: int
+
+    def names(self, plan: Plan) -> list[str]:
+        return [plan.shard_names[k] for k in self.shards]
+
+
+@dataclass
+class ShardResult:
+    """What a task sends back for one output shard: never its bytes."""
+
+    name: str
+    size: int
+    sha256: str
+    operation: object | None = None  # --to-hub: the CommitOperationAdd, uploaded, content freed
+
+
+def task_groups(plan: Plan, skip: set[int] = frozenset()) -> list[TaskGroup]:
+    """The tasks of a plan: connected components of the graph whose edges join each source tensor to the output
+    shards it feeds (a tensor whose matrices land in two shards joins them), leaving out the shards in ``skip``
+    (finished by an earlier run). Largest first (by source bytes read).
+
+    Example:
+        >>> groups = task_groups(expq.inspect("ckpt", max_shard_size="40KB"))  # doctest: +SKIP
+        >>> [g.shards for g in groups]  # doctest: +SKIP
+        [(0,), (1,), (2, 3), ...]
+    """
+    from .pipeline import PIPELINE_BYTES
+
+    parent = list(range(len(plan.shard_names)))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for j in plan.jobs:
+        ks = sorted({o.shard for o in j.outputs})
+        for k in ks[1:]:
+            parent[find(k)] = find(ks[0])
+    members: dict[int, list[int]] = {}
+    for k in range(len(plan.shard_names)):
+        members.setdefault(find(k), []).append(k)
+    groups = []
+    for ks in members.values():
+        if set(ks) & set(skip):
+            continue
+        mine = set(ks)
+        jobs = [j for j in plan.jobs if any(o.shard in mine for o in j.outputs)]
+        files = tuple(dict.fromkeys(p.file for j in jobs for p in j.source.parts))
+        costs = [j.source.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in jobs if j.kind != "copy"]
+        biggest = max((j.source.nbytes_stored for j in jobs if j.kind != "copy"), default=0)
+        memory = TASK_BASE_MEMORY + min(PIPELINE_BYTES, sum(costs)) + 4 * biggest
+        groups.append(TaskGroup(tuple(ks), files, sum(j.source.nbytes_stored for j in jobs), memory))
+    return sorted(groups, key=lambda g: (-g.bytes_in, g.shards))
+
+
+# --- in each task ----------------------------------------------------------------------------------------------------
+def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "cpu", allow_nonfinite: bool = False,
+                 fsync: bool = True, feeder=None, on_progress: Callable[[int, int], None] | None = None
+                 ) -> tuple[list[ShardResult], dict[int, dict]]:
+    """The normal conversion (``pipeline.run_plan`` into a ``writer.ShardSet``) of output shards ``shards`` of
+    ``plan`` only, into ``folder``: what one task does.
+
+    Returns:
+        (a ShardResult per shard, the row findings of the quantize jobs it ran: job index -> dict).
+
+    Raises:
+        as ``run_plan``.
+    """
+    from .devices import parse_devices, warm_up
+    from .pipeline import run_plan
+    from .writer import ShardFolder, ShardSet
+
+    devices = parse_devices(device)
+    warm_up(devices)
+    names = [plan.shard_names[k] for k in shards]
+    out = ShardFolder(folder, names, plan.shard_names)
+    mine = set(shards)
+    elsewhere = {i: _NO_ROWS for i, j in enumerate(plan.jobs)
+                 if j.kind == "quantize" and not any(o.shard in mine for o in j.outputs)}
+    shard_set = ShardSet(plan, out, fsync=fsync)
+    try:
+        stats = run_plan(plan, shard_set, devices, allow_nonfinite=allow_nonfinite, done_jobs=elsewhere,
+                         feeder=feeder, on_progress=on_progress)
+    finally:
+        shard_set.close_all()
+    rows = {i: r for i, r in stats.by_job.items() if i not in elsewhere}
+    return [ShardResult(n, out.records[n]["size"], out.records[n]["sha256"]) for n in names], rows
+
+
+_NO_ROWS = {"zero": 0, "underflow": 0, "nonfinite": 0, "underflow_examples": [], "nonfinite_examples": []}
+
+
+def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict | None, device: str,
+          allow_nonfinite: bool, fsync: bool, fault: str) -> tuple[list[ShardResult], dict[int, dict]]:
+    """One Ray task: ``write_shards`` of its group, reading a directory SRC in place or downloading its Hub files
+    into a temporary folder; writing into ``dest`` (OUT's staging folder) or, with ``upload``, into a temporary
+    folder whose shards it uploads and deletes."""
+    from .streaming import ShardStream
+
+    with tempfile.TemporaryDirectory(prefix="expq-ray-") as tmp:
+        feeder = None
+        if listing is not None:
+            src = Path(tmp) / "src"
+            src.mkdir()
+            plan = dataclasses.replace(plan, source=dataclasses.replace(plan.source, root=src))
+            feeder = ShardStream(listing, src, None)
+        folder = Path(dest) if dest is not None else Path(tmp) / "out"
+        results, rows = write_shards(plan, list(group.shards), folder, device=device,
+                                     allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
+                                     on_progress=_fault_hook(fault))
+        if upload is not None:
+            for r, op in zip(results, _upload_shards(folder, [r.name for r in results], **upload)):
+                r.operation = op
+    return results, rows
+
+
+def _fault_hook(spec: str) -> Callable[[int, int], None] | None:
+    if not spec.startswith("kill-once:"):
+        return None
+    marker = Path(spec.removeprefix("kill-once:"))
+
+    def hook(nbytes: int, closed: int) -> None:
+        if threading.current_thread().name.startswith("expq-write") and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def upload_settings(repo_id: str, token: str) -> dict:
+    """What a task needs to upload into ``repo_id`` as this process would: the token, this process's Hub
+    (``HF_ENDPOINT``) and whether it uses Xet (``HF_HUB_DISABLE_XET``)."""
+    from huggingface_hub import constants
+
+    return {"repo_id": repo_id, "token": token, "revision": None, "endpoint": constants.ENDPOINT,
+            "disable_xet": bool(constants.HF_HUB_DISABLE_XET)}
+
+
+def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, revision: str | None,
+                   endpoint: str | None, disable_xet: bool) -> list:
+    """Upload shard files to the repo's LFS storage (``preupload_lfs_files``: no commit yet) and return their
+    ``CommitOperationAdd`` with the content dropped (the driver commits them)."""
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from huggingface_hub.utils import disable_progress_bars
+
+    from .hub import _translate
+
+    disable_progress_bars()
+    ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
+    xet_before = constants.HF_HUB_DISABLE_XET
+    constants.HF_HUB_DISABLE_XET = disable_xet  # the driver's choice, for this task (a worker runs one at a time)
+    try:
+        HfApi(endpoint=endpoint, token=token).preupload_lfs_files(repo_id, additions=ops, revision=revision,
+                                                                  free_memory=True)
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line, like expq push
+        raise _translate(e, repo_id, token) from None
+    finally:
+        constants.HF_HUB_DISABLE_XET = xet_before
+    for op in ops:
+        if op._upload_mode != "lfs":
+            raise HubError("the Hub wants this shard as a regular (non-LFS) file; expq uploads shards through LFS "
+                           "only", repo=repo_id, file=op.path_in_repo)
+        op.path_or_fileobj = b""  # only path, size and sha256 travel back
+    return ops
+
+
+def _identity_task(source) -> list[list]:
+    from .api import local_identity
+
+    return local_identity(source)
+
+
+# --- the driver ------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def connected(address: str):
+    """Ray, connected: an already initialised Ray as it is; ``local``: a new single-machine cluster (shut down
+    afterwards); ``auto`` or ``HOST:PORT`` / ``ray://HOST:PORT``: an existing cluster (``ray.init(address=...)``).
+
+    Raises:
+        UsageError: Ray is not installed. ClusterError: the cluster cannot be reached.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise UsageError('--ray needs Ray, which is not installed: pip install "expq[ray]"') from None
+    if ray.is_initialized():
+        yield ray
+        return
+    _check_reachable(address)
+    try:
+        if address == "local":
+            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        else:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:  # noqa: BLE001 - one line
+        raise ClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(e)}") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """For ``HOST:PORT`` (or ``ray://HOST:PORT``), a TCP connection first: ``ray.init`` waits minutes for a
+    cluster that is not there."""
+    if address in ("local", "auto"):
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--ray takes local, auto or HOST:PORT (or ray://HOST:PORT), not {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterError(f"cannot connect to the Ray cluster at {address}: {e.strerror or e}",
+                           hint="start it with `ray start --head`, or pass --ray local") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _resources(group: TaskGroup, device: str) -> dict:
+    spec = (device or "auto").strip()
+    gpus = len(spec.split(",")) if spec.startswith("cuda") else 0
+    return {"num_cpus": 1, "num_gpus": gpus, "memory": group.memory}
+
+
+def _task_device(device: str) -> str:
+    """Inside a task Ray shows only the GPUs it was given, as cuda:0, cuda:1...; ``auto`` without GPUs is the CPU."""
+    spec = (device or "auto").strip()
+    if spec.startswith("cuda"):
+        n = len(spec.split(","))
+        return ",".join(f"cuda:{i}" for i in range(n))
+    return spec
+
+
+def source_identity(ray, source) -> list[list]:
+    """``api.local_identity`` of a directory SRC, computed by a task (the driver reads no weight byte)."""
+    remote = ray.remote(_identity_task).options(num_cpus=1, max_retries=MAX_RETRIES)
+    return _get(ray, remote.remote(source), "the source identity")
+
+
+def _get(ray, ref, what: str):
+    try:
+        return ray.get(ref)
+    except BaseException as e:  # noqa: BLE001 - translated to one line
+        raise _task_failure(e, what) from None
+
+
+def _task_failure(e: BaseException, what: str) -> BaseException:
+    """The one line a failed task means: its cause (an expq error keeps its exit status), after the retries."""
+    from ray import exceptions as rex
+
+    if isinstance(e, (KeyboardInterrupt, Interrupted)):
+        return e
+    cause = getattr(e, "cause", None) if isinstance(e, rex.RayTaskError) else None
+    if isinstance(e, rex.RayTaskError) and cause is not None:
+        expq_cause = isinstance(cause, ExpqError)
+        after = f" after {MAX_RETRIES} retries" if isinstance(cause, TRANSIENT) else ""
+        err = ClusterError(f"the Ray task writing {what} failed{after}: "
+                           f"{cause if expq_cause else _first_line(cause)}")
+        if expq_cause:
+            err.exit_code = cause.exit_code
+        err.resumable = not expq_cause or isinstance(cause, RESUMABLE)
+        return err
+    if isinstance(e, rex.RayError):  # the worker or its node died (after the retries), out of memory...
+        return ClusterError(f"the Ray task writing {what} failed after {MAX_RETRIES} retries: {_first_line(e)}")
+    return e
+
+
+TRANSIENT = (HubOfflineError, ConnectionError, TimeoutError)
+"""Errors a task is retried on (the network); any other error is final."""
+RESUMABLE = (HubError, Interrupted, OutputError, OSError)
+"""Causes after which OUT's staging folder and journal stay for a re-run (as ``api.resumable``); after the others
+(a NaN row, a corrupt source) they are removed, as without Ray."""
+
+
+def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, listing, upload: dict | None,
+              device: str, allow_nonfinite: bool, fsync: bool, stop, on_result: Callable) -> None:
+    """Submit one task per group and hand each result to ``on_result(group, results, rows)`` as it arrives.
+
+    Raises:
+        ClusterError: a task failed (after its retries); the others are cancelled. Interrupted: ``stop`` was set
+            (the results already there are handed over first).
+    """
+    if not groups:
+        return
+    plan_ref = ray.put(plan)
+    fn = ray.remote(_task)
+    pending = {}
+    for g in groups:
+        names = g.names(plan)
+        opts = dict(**_resources(g, device), max_retries=MAX_RETRIES, retry_exceptions=list(TRANSIENT),
+                    name=f"expq:{names[0]}" + (f"+{len(names) - 1}" if len(names) > 1 else ""))
+        ref = fn.options(**opts).remote(plan_ref, g, str(dest) if dest is not None else None, listing, upload,
+                                        _task_device(device), allow_nonfinite, fsync, os.environ.get(FAULT_ENV, ""))
+        pending[ref] = g
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
+            if stop.is_set():
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            for ref in ready:
+                g = pending.pop(ref)
+                results, rows = _get(ray, ref, ", ".join(g.names(plan)))
+                on_result(g, results, rows)
+            if stop.is_set():
+                raise Interrupted(getattr(stop, "signum", signal.SIGINT))
+    finally:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+
+
+# --- the Hub side of --to-hub ----------------------------------------------------------------------------------------
+def check_target(repo_id: str, token: str | None) -> str:
+    """The token for ``--to-hub`` (``token``, ``HF_TOKEN`` or the login), once the repo id is checked.
+
+    Raises:
+        UsageError: not a model repo id (namespace/name). PushError: no token.
+    """
+    from .hub import _token
+    from .source import is_repo_id
+
+    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
+        raise UsageError(f"--to-hub {repo_id!r} is not a model repo id (namespace/name)")
+    return _token(token)
+
+
+def prepare_repo(repo_id: str, token: str, *, private: bool) -> None:
+    """Create the target model repo if needed (before the tasks upload into it), as ``expq push`` does."""
+    from huggingface_hub import HfApi
+
+    from .hub import PushError, _translate
+
+    api = HfApi(token=token)
+    try:
+        if not api.repo_exists(repo_id, repo_type="model"):
+            for other in ("dataset", "space"):
+                if api.repo_exists(repo_id, repo_type=other):
+                    raise PushError(f"{repo_id} exists as a {other} repo, not a model repo; expq pushes models",
+                                    hint="pick another name")
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _translate(e, repo_id, token) from None
+
+
+def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: str, token: str, *,
+            commit_message: str) -> tuple[list[str], int]:
+    """Commit the uploaded shards and the small files of ``small`` (a finished output folder whose shards are
+    stand-ins; its README.md is the model card) to ``repo_id``: one commit, or for more than
+    ``MAX_FILES_PER_COMMIT`` files, the shards in batches first and the small files (index, config, expq.json,
+    card) last, so that the repo is a loadable checkpoint only once all of it is there. Then every remote file's
+    size and hash is checked against what was made (``hub._compare_remote``).
+
+    Returns:
+        (the commit URLs, the files checked).
+
+    Raises:
+        PushError: a Hub failure, or a remote file that differs.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from .hub import PushReport, _compare_remote, _sha256, _translate
+
+    api = HfApi(token=token)
+    shard_ops = [results[n].operation for n in plan.shard_names]
+    files = [{"path": r.name, "size": r.size, "sha256": r.sha256} for r in (results[n] for n in plan.shard_names)]
+    small_ops = []
+    for p in sorted(small.rglob("*")):
+        rel = p.relative_to(small).as_posix()
+        if p.is_file() and rel not in results:
+            small_ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
+            files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+    ops = shard_ops + small_ops
+    batches = [ops] if len(ops) <= MAX_FILES_PER_COMMIT else (
+        [shard_ops[i:i + MAX_FILES_PER_COMMIT] for i in range(0, len(shard_ops), MAX_FILES_PER_COMMIT)]
+        + [small_ops])
+    urls = []
+    try:
+        for i, batch in enumerate(batches):
+            part = f" ({i + 1}/{len(batches)})" if len(batches) > 1 else ""
+            info = api.create_commit(repo_id, operations=batch, commit_message=commit_message + part)
+            urls.append(getattr(info, "commit_url", None) or "")
+        res = PushReport(repo_id=repo_id, revision=None, dry_run=False, files=files,
+                         bytes=sum(f["size"] for f in files), verified=None, verify_verdict=None)
+        _compare_remote(api, small, repo_id, None, res)
+    except ExpqError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _translate(e, repo_id, token) from None
+    return urls, res.checked_remote
+
