@@ -186,14 +186,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                 outdir.commit()
         except BaseException as e:
             shards.close_all()
-            if resumable(e):
-                outdir.release()  # staging and journal stay: the same command resumes
-                if isinstance(e, Interrupted):
-                    raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
-                                      f"{len(shards.closed)} of {len(plan.shard_names)} shards are kept: re-run the "
-                                      "same command to resume") from None
-            else:
-                outdir.discard()
+            keep_or_discard(e, outdir, len(shards.closed), len(plan.shard_names))
             raise
     return make_report(plan, outdir, man, devices, time.perf_counter() - t0, feeder)
 
@@ -312,14 +305,7 @@ class _RayRun:
                                    self.settings, self.command)
             outdir.commit()
         except BaseException as e:
-            if resumable(e) or getattr(e, "resumable", False):
-                outdir.release()
-                if isinstance(e, Interrupted):
-                    raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; "
-                                      f"{self.finished} of {len(plan.shard_names)} shards are kept: re-run the "
-                                      "same command to resume") from None
-            else:
-                outdir.discard()
+            keep_or_discard(e, outdir, self.finished, len(plan.shard_names))
             raise
         return self._report(outdir, man, t0)
 
@@ -349,6 +335,19 @@ class _RayRun:
         urls, _ = cluster.publish(here, plan, results, repo_id, token,
                                   commit_message=f"Upload experts-int8 checkpoint made with expq {__version__}")
         return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)
+
+
+def keep_or_discard(e: BaseException, outdir: OutputDir, kept: int, total: int) -> None:
+    """After a failed run: keep staging and journal when the same command can resume (an interrupt, a killed
+    worker, a network failure; raises ``Interrupted`` saying how many of ``total`` shards are kept), else remove them.
+    The caller re-raises ``e``."""
+    if resumable(e) or getattr(e, "resumable", False):
+        outdir.release()  # staging and journal stay: the same command resumes
+        if isinstance(e, Interrupted):
+            raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; {kept} of {total} shards "
+                                        "are kept: re-run the same command to resume") from None
+    else:
+        outdir.discard()
 
 
 def resumable(e: BaseException) -> bool:

@@ -205,7 +205,7 @@ def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, 
     from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.utils import disable_progress_bars
 
-    from .hub import _translate
+    from .hub import translate_hub_error
 
     disable_progress_bars()
     ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
@@ -217,7 +217,7 @@ def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, 
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001 - one line, like expq push
-        raise _translate(e, repo_id, token) from None
+        raise translate_hub_error(e, repo_id, token) from None
     finally:
         constants.HF_HUB_DISABLE_XET = xet_before
     for op in ops:
@@ -385,32 +385,27 @@ def check_target(repo_id: str, token: str | None) -> str:
     Raises:
         UsageError: not a model repo id (namespace/name). PushError: no token.
     """
-    from .hub import _token
+    from .hub import hub_token
     from .source import is_repo_id
 
     if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
         raise UsageError(f"--to-hub {repo_id!r} is not a model repo id (namespace/name)")
-    return _token(token)
+    return hub_token(token)
 
 
 def prepare_repo(repo_id: str, token: str, *, private: bool) -> None:
     """Create the target model repo if needed (before the tasks upload into it), as ``expq push`` does."""
     from huggingface_hub import HfApi
 
-    from .hub import PushError, _translate
+    from .hub import ensure_model_repo, translate_hub_error
 
     api = HfApi(token=token)
     try:
-        if not api.repo_exists(repo_id, repo_type="model"):
-            for other in ("dataset", "space"):
-                if api.repo_exists(repo_id, repo_type=other):
-                    raise PushError(f"{repo_id} exists as a {other} repo, not a model repo; expq pushes models",
-                                    hint="pick another name")
-        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        ensure_model_repo(api, repo_id, private=private)
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise _translate(e, repo_id, token) from None
+        raise translate_hub_error(e, repo_id, token) from None
 
 
 def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: str, token: str, *,
@@ -419,7 +414,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
     stand-ins; its README.md is the model card) to ``repo_id``: one commit, or for more than
     ``MAX_FILES_PER_COMMIT`` files, the shards in batches first and the small files (index, config, expq.json,
     card) last, so that the repo is a loadable checkpoint only once all of it is there. Then every remote file's
-    size and hash is checked against what was made (``hub._compare_remote``).
+    size and hash is checked against what was made (``hub.compare_remote``).
 
     Returns:
         (the commit URLs, the files checked).
@@ -429,7 +424,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .hub import PushReport, _compare_remote, _sha256, _translate
+    from .hub import PushReport, compare_remote, file_sha256, translate_hub_error
 
     api = HfApi(token=token)
     shard_ops = [results[n].operation for n in plan.shard_names]
@@ -439,7 +434,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
         rel = p.relative_to(small).as_posix()
         if p.is_file() and rel not in results:
             small_ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
-            files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+            files.append({"path": rel, "size": p.stat().st_size, "sha256": file_sha256(p)})
     ops = shard_ops + small_ops
     batches = [ops] if len(ops) <= MAX_FILES_PER_COMMIT else (
         [shard_ops[i:i + MAX_FILES_PER_COMMIT] for i in range(0, len(shard_ops), MAX_FILES_PER_COMMIT)]
@@ -452,10 +447,10 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
             urls.append(getattr(info, "commit_url", None) or "")
         res = PushReport(repo_id=repo_id, revision=None, dry_run=False, files=files,
                          bytes=sum(f["size"] for f in files), verified=None, verify_verdict=None)
-        _compare_remote(api, small, repo_id, None, res)
+        compare_remote(api, small, repo_id, None, res)
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise _translate(e, repo_id, token) from None
+        raise translate_hub_error(e, repo_id, token) from None
     return urls, res.checked_remote
 

@@ -9,6 +9,7 @@ on 1.x), then a check that the remote files have the local sizes and hashes. The
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,11 +59,11 @@ def local_files(out: Path) -> list[dict]:
         rel = p.relative_to(out).as_posix()
         if any(fnmatch.fnmatch(rel, pat) for pat in IGNORE) or rel.startswith(".") or "/." in rel:
             continue
-        files.append({"path": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+        files.append({"path": rel, "size": p.stat().st_size, "sha256": file_sha256(p)})
     return files
 
 
-def _sha256(p: Path) -> str:
+def file_sha256(p: Path) -> str:
     """The file's sha256 (huggingface_hub's own hashing, as it computes LFS ids)."""
     from huggingface_hub.utils.sha import sha_fileobj
 
@@ -165,8 +166,11 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
 
 
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]:
+    command = m.command or "expq convert SRC OUT"
+    if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
+        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" path/to/{shlex.quote(m.source.name)} OUT", 1)
     return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
-            (m.command or "expq convert SRC OUT").replace(" OUT", " " + name, 1), "```", "",
+            command.replace(" OUT", " " + name, 1), "```", "",
             f"expq {m.expq_version}, output format {ck.format.name}" + (
                 f" (compressed-tensors config version {ck.quantization_config['version']})."
                 if "version" in ck.quantization_config else ".")]
@@ -196,7 +200,8 @@ def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]
         if c.loads:
             lines += [f"```{c.language}", c.for_model(repo_id), "```"] + (["", c.note] if c.note else [])
         else:
-            lines.append(c.note[0].upper() + c.note[1:] + ".")
+            lines.append((c.note if c.note[:1].isupper() or c.note.startswith("vLLM") else
+                          c.note[0].upper() + c.note[1:]) + ".")
     return lines + [""]
 
 
@@ -218,7 +223,7 @@ def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
     return ", ".join(parts)
 
 
-def _token(token: str | None) -> str:
+def hub_token(token: str | None) -> str:
     from huggingface_hub import get_token
 
     tok = token or get_token()
@@ -282,7 +287,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
                      verify_verdict=None if report is None else report.verdict, card=card)
     if dry_run:
         return res
-    tok = _token(token)  # before anything is written
+    tok = hub_token(token)  # before anything is written
     (out / "README.md").write_text(card)
     files = local_files(out)
     res.files, res.bytes = files, sum(f["size"] for f in files)
@@ -294,11 +299,11 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         e.message = _scrub(e.message, tok)
         raise
     except Exception as e:  # noqa: BLE001
-        raise _translate(e, repo_id, tok) from None
+        raise translate_hub_error(e, repo_id, tok) from None
     return res
 
 
-def _translate(e: Exception, repo_id: str, token: str) -> PushError:
+def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     status = getattr(getattr(e, "response", None), "status_code", None)
@@ -317,18 +322,28 @@ def _translate(e: Exception, repo_id: str, token: str) -> PushError:
                      hint="re-run the same command to resume; finished files are not uploaded again")
 
 
-def _upload(out: Path, repo_id: str, res: PushReport, *, private: bool, revision: str | None, create_pr: bool,
-            commit_message: str, token: str) -> None:
-    import huggingface_hub
-    from huggingface_hub import HfApi
+def ensure_model_repo(api, repo_id: str, *, private: bool) -> None:
+    """Create model repo ``repo_id`` if it does not exist (``private``), after checking the name is not a dataset
+    or Space.
 
-    api = HfApi(token=token)
+    Raises:
+        PushError: the name is taken by a dataset or Space repo (huggingface_hub errors pass through).
+    """
     if not api.repo_exists(repo_id, repo_type="model"):
         for other in ("dataset", "space"):
             if api.repo_exists(repo_id, repo_type=other):
                 raise PushError(f"{repo_id} exists as a {other} repo, not a model repo; expq pushes models",
                                 hint="pick another name")
     api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+
+
+def _upload(out: Path, repo_id: str, res: PushReport, *, private: bool, revision: str | None, create_pr: bool,
+            commit_message: str, token: str) -> None:
+    import huggingface_hub
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    ensure_model_repo(api, repo_id, private=private)
     if revision and revision != "main" and not create_pr:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     major = int(huggingface_hub.__version__.split(".")[0])
@@ -344,10 +359,10 @@ def _upload(out: Path, repo_id: str, res: PushReport, *, private: bool, revision
                                 private=private, ignore_patterns=IGNORE)
         remote_rev = revision
     res.revision = remote_rev
-    _compare_remote(api, out, repo_id, remote_rev, res)
+    compare_remote(api, out, repo_id, remote_rev, res)
 
 
-def _compare_remote(api, out: Path, repo_id: str, revision: str | None, res: PushReport) -> None:
+def compare_remote(api, out: Path, repo_id: str, revision: str | None, res: PushReport) -> None:
     """The remote files must have the local sizes and hashes (LFS sha256, or the git blob id for small files)."""
     paths = [f["path"] for f in res.files]
     remote = {}

@@ -161,8 +161,12 @@ class Plan:
         lay = self.layout
         if self.format.name != lay.default_format:
             return f"chosen with --format (this family's default is {lay.default_format})"
-        return "this family's default" + (f": {lay.format_reason}" if lay.format_reason else
-                                          ": stock vLLM and transformers load it")
+        if lay.format_reason:
+            return f"this family's default: {lay.format_reason}"
+        loads = [c.engine for c in clients(self.format.name, lay, self.experts.hidden_size, local=True)
+                 if c.loads and c.engine != "expq"]
+        return "this family's default: " + (f"stock {' and '.join(loads)} load{'s' if len(loads) == 1 else ''} it"
+                                            if loads else "expq.load_model runs it")
 
     def decoded_as(self) -> dict[str, int]:
         """How the quantized source tensors are decoded: ``"<routed experts|other> <how>"`` -> count."""
@@ -231,6 +235,7 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
     _check_lm_head(source)
+    _check_model(fmt, source.config)
     jobs = _build_jobs(source, experts, fmt)
     _check_unique_names(jobs)
     shard_names, shard_sizes = _assign_shards(jobs, shard_limit)
@@ -270,6 +275,18 @@ def _check_expert_dtypes(source: Source, experts: ExpertMap) -> None:
         t = source.logical[name]
         if t.dtype not in FLOAT_DTYPES:
             raise SourceError(f"routed-expert weight is {t.dtype}, not bf16/fp16/fp32", file=t.file, tensor=name)
+
+
+def _check_model(fmt: Format, config: dict) -> None:
+    """The format's tensors fit the model class stock clients build (experts-int8: its layer markers are real
+    weights, so stock transformers refuses the output rather than load random experts).
+
+    Raises:
+        LayoutError: the first problem, naming the layout file.
+    """
+    bad = fmt.check_model(config)
+    if bad:
+        raise LayoutError(bad[0], file=fmt.experts.layout.path)
 
 
 def _check_lm_head(source: Source) -> None:

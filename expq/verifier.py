@@ -340,7 +340,7 @@ def _check_files_load(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
 
 
 def _check_quantization_config(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
-    bad = ck.format.check_config(ck.quantization_config, ck.tensors)
+    bad = ck.format.check_config(ck.quantization_config, ck.tensors) + ck.format.check_model(ck.config)
     for b in bad:
         _fail(problems, b)
     return Check("quantization_config", not bad, bad[0] if bad else "")

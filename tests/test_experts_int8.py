@@ -169,3 +169,32 @@ def test_verify_passes_and_inspect_says_why(int8_out, tmp_path_factory):
     s_ct = expq.inspect(example(tmp_path_factory, "gpt_oss"), format="compressed-tensors").summary()
     assert s_ct["format"] == "compressed-tensors" and "--format" in s_ct["format_reason"]
     assert not {c["engine"]: c for c in s_ct["clients"]}["transformers"]["loads"]
+
+
+def test_a_layout_whose_markers_stock_transformers_would_not_load_is_refused(tmp_path, tmp_path_factory):
+    """A custom layout naming a [runtime] weight transformers' model does not have would write markers stock
+    transformers ignores (random experts): convert refuses it before writing anything, naming the marker."""
+    from pathlib import Path
+
+    from expq.errors import LayoutError
+
+    src = example(tmp_path_factory, "mixtral")
+    good = (Path(expq.__file__).parent / "configs" / "mixtral.toml").read_text()
+    assert 'forward = "topk"\n' in good
+    bad = tmp_path / "bogus.toml"
+    bad.write_text(good.replace('forward = "topk"\n', 'forward = "topk"\nweight = "bogus_proj"\n', 1))
+    out = tmp_path / "out"
+    with pytest.raises(LayoutError, match=r"marker model\.layers\.0\.mlp\.experts\.bogus_proj .*random experts"):
+        expq.convert(src, out, format="experts-int8", layout=bad, device="cpu")
+    assert not out.exists()
+    (tmp_path / "good.toml").write_text(good)
+    expq.convert(src, out, format="experts-int8", layout=tmp_path / "good.toml", device="cpu")  # the right weight
+    assert expq.verify(out).ok
+
+
+def test_advice_never_points_at_a_path_that_fails(tmp_path_factory):
+    """Where expq's plugin cannot serve a family either, the compressed-tensors advice does not send users there."""
+    s = expq.inspect(example(tmp_path_factory, "phimoe")).summary()  # hidden 64: no Marlin; and no phimoe in vLLM
+    vllm = {c["engine"]: c for c in s["clients"]}["vLLM"]
+    assert not vllm["loads"] and "--format experts-int8" not in vllm["note"] and "Phimoe" in vllm["note"]
+    assert s["format_reason"] == "this family's default: stock transformers loads it"

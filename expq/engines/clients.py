@@ -57,8 +57,8 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
     """
     expq = Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)
     if fmt == "experts-int8":
-        vllm = Client("vLLM", False, "bash", None, f"vLLM cannot serve this family: {layout.vllm_plugin}") \
-            if layout.vllm_plugin else None
+        vllm = Client("vLLM", False, "bash", None, f"expq's vLLM plugin cannot serve this family: "
+                      f"{layout.vllm_plugin}") if layout.vllm_plugin else None
         return [vllm or Client("vLLM", True, "bash", VLLM_PLUGIN,
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
                        "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
@@ -68,13 +68,15 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                        "markers), never a model with random experts."),
                 expq]
     advice = shared_facts().vllm
+    instead = ("; use `--format experts-int8` and expq's plugin" if not layout.vllm_plugin else
+               f" (nor through expq's plugin: {layout.vllm_plugin})")
     if layout.stock_vllm:
         vllm = Client("vLLM", False, "bash", None, f"stock vLLM cannot serve this family in this format: "
-                      f"{layout.stock_vllm}; use `--format experts-int8` and expq's plugin")
+                      f"{layout.stock_vllm}{instead}")
     elif hidden_size and hidden_size % advice.marlin_hidden_multiple:
         vllm = Client("vLLM", False, "bash", None, f"vLLM runs this format through Marlin, which needs the hidden "
-                      f"size to be a multiple of {advice.marlin_hidden_multiple}; this model's is {hidden_size}, so "
-                      "use `--format experts-int8` and expq's plugin")
+                      f"size to be a multiple of {advice.marlin_hidden_multiple}; this model's is {hidden_size}"
+                      + instead.replace("; use", ", so use"))
     else:
         note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin). {advice.backend_note} "
                 f"{advice.tp_scales_note} {advice.rocm_note}")

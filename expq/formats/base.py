@@ -91,6 +91,11 @@ class Format(Protocol):
         """The ``quantization_config`` of config.json for a model whose logical tensors are ``tensors``."""
         ...
 
+    def check_model(self, config: dict) -> list[str]:
+        """Problems with this format's tensors for the transformers model class of ``config`` (config.json as a
+        dict); empty when there are none (or nothing to check)."""
+        ...
+
     def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:
         """Problems with a converted checkpoint's ``quantization_config`` (empty list: it is right), given the
         checkpoint's tensors."""

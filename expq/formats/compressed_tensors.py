@@ -180,6 +180,10 @@ class CompressedTensorsFormat:
                 "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
                 "transform_config": {}, "version": importlib.metadata.version("compressed-tensors")}
 
+    def check_model(self, config: dict) -> list[str]:
+        """Nothing to check against the model class (see ``Format.check_model``)."""
+        return []
+
     def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:
         """The config validates with compressed-tensors, is pack-quantized 8-bit int channel-wise weight-only, and
         its targets (matched with the library's own ``is_match``) cover exactly the quantized modules."""

@@ -125,6 +125,23 @@ class ExpertsInt8Format:
     def _markers(self) -> dict[str, int]:
         return {self.experts.stock_weight_name(L): L for L in self.experts.moe_layers}
 
+    def check_model(self, config: dict) -> list[str]:
+        """Problems with the layer markers against the transformers model class of ``config`` (config.json as a
+        dict): each marker must be a parameter that stock transformers loads, with elements, or stock transformers
+        would not refuse the checkpoint (a custom layout's ``[runtime]`` module/weight that does not fit). Empty
+        when transformers cannot build the model at all (then it cannot load the checkpoint either)."""
+        markers = self._markers()
+        params = _stock_parameter_shapes(config)
+        if params is None:
+            return []
+        bad = [m for m in sorted(markers) if not params.get(m)]
+        if not bad:
+            return []
+        return [f"layer marker {bad[0]} is not a weight of transformers' {config.get('model_type')} model "
+                f"({len(bad)} of {len(markers)} markers): stock transformers would load this checkpoint with random "
+                "experts instead of refusing it; the layout's [runtime] module/weight must name the experts module's "
+                "fused weight"]
+
     # --- quantization_config --------------------------------------------------------------------------------------
     def targets(self) -> list[str]:
         """The quantized modules: ``re:.*<container>\\.\\d+\\.(<output projection names>)$``."""
@@ -163,3 +180,20 @@ class ExpertsInt8Format:
             bad.append(f"{len(missing)} layer marker tensor(s) missing, e.g. {missing[0]}: stock transformers "
                        "would not refuse this checkpoint")
         return bad
+
+
+def _stock_parameter_shapes(config: dict) -> dict[str, int] | None:
+    """name -> element count of every parameter of the transformers model ``config`` describes (built on the meta
+    device: no memory), or None if transformers cannot build it."""
+    try:
+        from transformers import AutoModelForCausalLM, PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        if not isinstance(cfg, PretrainedConfig):
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001 - an unknown or remote-code model: stock transformers cannot load it either
+        return None
+    return {n: p.numel() for n, p in model.named_parameters()}
