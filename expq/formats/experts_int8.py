@@ -93,8 +93,11 @@ class ExpertsInt8Format:
         codes, scale = read(f"{module}.{CODES}"), read(f"{module}.{SCALE}")
         if codes.dtype != torch.int8 or codes.dim() != 2:
             raise ValueError(f"{CODES} must be int8 2-D, got {codes.dtype} {list(codes.shape)}")
-        if scale.dtype != torch.float32 or tuple(scale.shape) != (codes.shape[0],):
-            raise ValueError(f"{SCALE} must be float32 [{codes.shape[0]}], got {scale.dtype} {list(scale.shape)}")
+        if scale.dtype != torch.float32 or scale.dim() != 1:
+            raise ValueError(f"{SCALE} must be float32 1-D, got {scale.dtype} {list(scale.shape)}")
+        if scale.shape[0] != codes.shape[0]:
+            raise ValueError(f"{CODES} {list(codes.shape)} and {SCALE} {list(scale.shape)} do not fit: one scale per "
+                             "row of the codes")
         return codes, scale
 
     def classify(self, name: str) -> tuple[int, int, str, str] | None:
