@@ -198,3 +198,21 @@ def test_advice_never_points_at_a_path_that_fails(tmp_path_factory):
     vllm = {c["engine"]: c for c in s["clients"]}["vLLM"]
     assert not vllm["loads"] and "--format experts-int8" not in vllm["note"] and "Phimoe" in vllm["note"]
     assert s["format_reason"] == "this family's default: stock transformers loads it"
+
+
+def test_verify_fails_a_marker_that_is_not_empty(int8_out, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, out = int8_out("qwen3_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    marker = json.loads((bad / "config.json").read_text())["quantization_config"]["markers"][0]
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    f = bad / index[marker]
+    t = load_file(f)
+    t[marker] = torch.zeros(4, 96, 64, dtype=torch.int8)
+    save_file(t, f, metadata={"format": "pt"})
+    rep = expq.verify(bad)
+    assert not rep.ok and any(f"layer marker {marker} is I8 [4, 96, 64], expected I8 [0]" in p for p in rep.problems)

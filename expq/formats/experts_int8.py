@@ -182,6 +182,12 @@ class ExpertsInt8Format:
         if missing:
             bad.append(f"{len(missing)} layer marker tensor(s) missing, e.g. {missing[0]}: stock transformers "
                        "would not refuse this checkpoint")
+        wrong = sorted(m for m in set(self._markers()) & set(tensors)
+                       if getattr(tensors[m], "dtype", "I8") != "I8" or tuple(tensors[m].shape) != (0,))
+        if wrong:
+            t = tensors[wrong[0]]
+            bad.append(f"layer marker {wrong[0]} is {getattr(t, 'dtype', '?')} {list(t.shape)}, expected I8 [0] "
+                       "(an empty tensor)")
         return bad
 
 
