@@ -185,3 +185,34 @@ def test_tuner_on_the_interpreter(tmp_path):
     raw = json.loads((tmp_path / "cpu-interpreter.raw.json").read_text())
     for p in raw["points"].values():
         assert p["done"] and all(c["ok"] for c in p["checks"].values() if c is not None) and p["checks"]
+
+
+def test_marlin_baseline_layout_and_skip():
+    """bench/kernel_baselines.py: the compressed-tensors words in vLLM's transposed Marlin-MoE layout, and a clear
+    Unavailable (not a crash) where vLLM is missing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import kernel_baselines as kb
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randint(-127, 128, (3, 2 * 64, 128), dtype=torch.int8, generator=g)
+    w2 = torch.randint(-127, 128, (3, 128, 64), dtype=torch.int8, generator=g)
+    s13, s2 = torch.rand(3, 128, generator=g), torch.rand(3, 128, generator=g)
+    keep = w13.clone(), w2.clone()
+    p13, p2, c13, c2 = kb.compressed_tensors_marlin_layout(w13, w2, s13, s2, torch.bfloat16)
+    assert torch.equal(w13, keep[0]) and torch.equal(w2, keep[1])  # inputs untouched
+    assert p13.shape == (3, 32, 128) and p2.shape == (3, 16, 128) and c13.shape == (3, 1, 128)
+    for e in range(3):
+        gate, up = pack_to_int32(w13[e, :64].clone(), 8), pack_to_int32(w13[e, 64:].clone(), 8)
+        assert torch.equal(p13[e], torch.cat([gate, up]).t())
+        assert torch.equal(p2[e], pack_to_int32(w2[e].clone(), 8).t())
+    assert torch.equal(c2[:, 0], s2.to(torch.bfloat16))
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001
+        for build in kb.BASELINES.values():
+            with pytest.raises(kb.Unavailable, match="not importable"):
+                build(w13=w13, w2=w2, s13=s13, s2=s2, w13_bf=None, w2_bf=None, dtype=torch.bfloat16)
