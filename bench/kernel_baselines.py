@@ -43,9 +43,11 @@ def vllm_context():
     """``set_current_vllm_config(VllmConfig())`` when vLLM imports, else a null context."""
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
-    except Exception:  # noqa: BLE001
+
+        return set_current_vllm_config(VllmConfig())
+    except Exception as exc:  # noqa: BLE001 - no vLLM: the baselines say so themselves
+        print(f"# no vLLM config context ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
         return contextlib.nullcontext()
-    return set_current_vllm_config(VllmConfig())
 
 
 def vllm_bf16(w13_bf, w2_bf, **_):

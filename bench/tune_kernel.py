@@ -187,6 +187,11 @@ class Compiler:
             for f in futs:
                 f.cancel()
             log("compile: budget reached; the rest compiles when timed")
+        except Exception as exc:  # noqa: BLE001 - e.g. a worker died (BrokenProcessPool): compile while timing
+            log(f"compile workers failed ({type(exc).__name__}: {str(exc)[:200]}); compiling in the timing process "
+                f"from now on")
+            self.close()
+            self.pool, self.jobs = None, 0
         log(f"compiled {len(todo)} configs in {time.monotonic() - t1:.1f}s with {self.jobs} workers "
             f"({failed} failed to compile or run)")
 
