@@ -5,6 +5,17 @@ Usage (repo root, CUDA machine):
     BENCH_OUT=bench.json python3 bench/bench_kernel.py
     python3 bench/bench_kernel.py --shapes mixtral --tokens 1 32 --dtype float16
     python3 bench/bench_kernel.py --sweep --shapes qwen --tokens 1 1024      # block-config tuning aid
+    PYTHONPATH=/tmp/site:. python3 bench/bench_kernel.py --compare --md cmp.md --json cmp.json   # issue 13 table
+    PYTHONPATH=. python3 bench/bench_kernel.py --e2e --json e2e.json         # tokens/s, Qwen3-30B-A3B-shaped
+
+--compare (the issue-13 table, one process): per shape and token count, expq's kernel (the GPU's tuned table entry
+when expq/kernels/configs/ has one, see bench/tune_kernel.py; then expq's default as well, "expq-default"), vLLM's
+fused_experts with bf16 weights, vLLM's int8_w8a16 path, and Marlin on compressed-tensors W8A16 weights repacked as
+vLLM does (bench/kernel_baselines.py says exactly how each is called); each timed as the median of CUDA-graph
+replays (do_bench clears L2 before each replay); "%copy" = that implementation's weight bytes of the experts with
+tokens (int8: 3*I*H per expert; bf16: twice that) / time, against the device copy bandwidth measured in the same run.
+A baseline whose vLLM op cannot be imported is skipped with the reason in the output. Markdown to stdout (--md:
+also to a file), --json: everything. --e2e: see the docstring of e2e().
 
 Baseline (bf16 weights, the same routing): vLLM's ``fused_experts`` when ``import vllm`` works; else
 ``torch._grouped_mm`` (PyTorch's grouped GEMM, bf16 only) when it runs; else one bf16 ``x @ w.T`` per expert that
@@ -30,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from expq.kernels import fused_moe_int8, moe_reference  # noqa: E402
 
@@ -199,6 +211,246 @@ def sweep(names, tokens, dtype, rep):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# --compare: the issue-13 table, expq against vLLM bf16, vLLM int8_w8a16 and Marlin, one process.
+
+
+def copy_bandwidth(rep=200):
+    """Device-to-device copy of 2 GiB, bytes read + written per second (GB/s), do_bench median."""
+    import triton
+
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=rep, return_mode="median")
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024**3 / ms / 1e6
+
+
+def compare(names, tokens, dtype, rep, md_path, json_path):
+    """One row per (shape, tokens): graph-replay median (us) of expq (its table entry if the GPU has one, else the
+    default; the default too when they differ), vLLM bf16, vLLM int8_w8a16 and Marlin; %copy of each (its own weight
+    bytes of the experts that have tokens / time / measured copy bandwidth); rel. error against moe_reference."""
+    import triton
+
+    from expq.kernels import moe, tuned
+    from kernel_baselines import BASELINES, WEIGHT_BYTES_PER_ELEMENT, Unavailable, vllm_context
+
+    dev = "cuda"
+    gpu = torch.cuda.get_device_name()
+    table = tuned.load_table(gpu)
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw:.0f} GB/s; tuned table for {gpu}: "
+        f"{'yes' if table else 'none (expq runs its default configs)'}")
+    skipped = {}
+    rows = []
+    with vllm_context():
+        for name in names:
+            e, h, i, top_k = SHAPES[name]
+            w13, w2, s13, s2, g = make_weights(e, h, i, dev)
+            w13_bf = w13.to(dtype) * s13[:, :, None].to(dtype)
+            w2_bf = w2.to(dtype) * s2[:, :, None].to(dtype)
+            runs = {}
+            for bname, build in BASELINES.items():
+                if bname in skipped:
+                    continue
+                try:
+                    runs[bname] = build(w13=w13, w2=w2, s13=s13, s2=s2, w13_bf=w13_bf, w2_bf=w2_bf, dtype=dtype)
+                except Unavailable as exc:
+                    skipped[bname] = str(exc)
+                    log(f"SKIPPED {bname}: {exc}")
+            for t in tokens:
+                x, tw, ti = make_routing(t, e, h, top_k, dtype, dev, g)
+                used = int(torch.unique(ti).numel())
+                int8_bytes = used * 3 * i * h
+                cfg_used = moe.get_config(t, e, top_k, dev, hidden_size=h, intermediate_size=i, dtype=dtype)
+                cfg_default = moe.get_config(t, e, top_k, dev, tuned=False)
+                impls = {"expq": lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti, config=cfg_used)}
+                if cfg_used != cfg_default:
+                    impls["expq-default"] = lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti,
+                                                                         config=cfg_default)
+                for bname, run in runs.items():
+                    impls[bname] = (lambda run=run: run(x, tw, ti))
+                ref = moe_reference(x, w13, w2, s13, s2, tw, ti)
+                row = dict(shape=name, E=e, H=h, I=i, top_k=top_k, tokens=t, dtype=str(dtype)[6:],
+                           experts_touched=used, expq_config=cfg_used,
+                           expq_config_source="table" if cfg_used != cfg_default else "default", impl={})
+                for iname, fn in impls.items():
+                    r = dict(us=None, timing=None, rel_err=None, pct_copy=None, error=None)
+                    try:
+                        out = fn()
+                        torch.cuda.synchronize()
+                        r["rel_err"] = rel_err(out, ref)
+                        del out
+                        us = graph_time(fn, rep)
+                        r["timing"] = "graph"
+                        if us is None:
+                            us, r["timing"] = eager_time(fn, rep), "eager"
+                        r["us"] = us
+                        nbytes = int8_bytes * WEIGHT_BYTES_PER_ELEMENT.get(iname, 1)
+                        r["pct_copy"] = 100 * nbytes / (us * 1e-6) / 1e9 / bw
+                    except Exception as exc:  # noqa: BLE001 - recorded in the row
+                        r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        log(f"{name} T={t} {iname} failed: {r['error']}")
+                        torch.cuda.synchronize()
+                    row["impl"][iname] = r
+                del ref
+                base = {k: v["us"] for k, v in row["impl"].items() if k in BASELINES and v["us"]}
+                best = min(base, key=base.get) if base else None
+                ex = row["impl"]["expq"]["us"]
+                row.update(best_baseline=best, best_baseline_us=base.get(best),
+                           speedup_vs_best=(base[best] / ex) if best and ex else None,
+                           beats_all=bool(ex and base and len(base) == len(BASELINES) and ex < min(base.values())),
+                           copy_ok=None if t > 128 else bool(ex and row["impl"]["expq"]["pct_copy"] >= 85))
+                rows.append(row)
+                cells = "  ".join(f"{k} {v['us']:.1f}" if v["us"] else f"{k} -" for k, v in row["impl"].items())
+                log(f"{name} T={t}: {cells}; best baseline {best}; x{row['speedup_vs_best'] or float('nan'):.2f}")
+            del w13, w2, w13_bf, w2_bf, runs
+            torch.cuda.empty_cache()
+
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, dtype=str(dtype)[6:], copy_GBps=bw,
+                tuned_table=bool(table), skipped=skipped, rep_ms=rep, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                timing="triton.testing.do_bench median of CUDA-graph replays (L2 cleared before each), us")
+    try:
+        import vllm
+
+        meta["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001
+        meta["vllm"] = None
+    md = compare_markdown(rows, meta)
+    print(md)
+    if md_path:
+        Path(md_path).write_text(md)
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        log(f"wrote {json_path}")
+
+
+def compare_markdown(rows, meta):
+    from kernel_baselines import BASELINES
+
+    cols = ["expq"] + (["expq-default"] if any("expq-default" in r["impl"] for r in rows) else []) + list(BASELINES)
+    out = [f"{meta['gpu']}; torch {meta['torch']}; triton {meta['triton']}; vLLM {meta['vllm']}; {meta['dtype']} "
+           f"activations; copy bandwidth {meta['copy_GBps']:.0f} GB/s; expq table: "
+           f"{'yes' if meta['tuned_table'] else 'none'}; {meta['timing']}.", ""]
+    for k, why in meta["skipped"].items():
+        out.append(f"**{k} skipped**: {why}")
+    if meta["skipped"]:
+        out.append("")
+    out.append("| shape | T | " + " | ".join(f"{c} us (%copy)" for c in cols) +
+               " | best baseline | expq speedup | beats all | >=85% copy |")
+    out.append("|" + "---|" * (len(cols) + 6))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r["impl"].get(c)
+            if v is None or v["us"] is None:
+                cells.append("-" if v is None or not v["error"] else "error")
+            else:
+                cells.append(f"{v['us']:.1f} ({v['pct_copy']:.0f}%)" + ("" if v["timing"] == "graph" else " eager"))
+        sp = "-" if r["speedup_vs_best"] is None else f"{r['speedup_vs_best']:.2f}x"
+        ok = "-" if r["copy_ok"] is None else ("yes" if r["copy_ok"] else "no")
+        out.append(f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells) +
+                   f" | {r['best_baseline'] or '-'} | {sp} | {'yes' if r['beats_all'] else 'no'} | {ok} |")
+    beats = sum(r["beats_all"] for r in rows)
+    copy_rows = [r for r in rows if r["copy_ok"] is not None]
+    out += ["", f"expq beats every baseline at {beats} of {len(rows)} points; >= 85% of copy bandwidth at "
+                f"{sum(r['copy_ok'] for r in copy_rows)} of {len(copy_rows)} points with T <= 128.",
+            "Relative errors against the fp32 reference: " + "; ".join(
+                f"{c} max {max(r['impl'][c]['rel_err'] for r in rows if r['impl'].get(c, {}).get('rel_err') is not None):.1e}"
+                for c in cols if any(r["impl"].get(c, {}).get("rel_err") is not None for r in rows)), ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# --e2e: tokens/s of a Qwen3-30B-A3B-shaped model, int8 experts through expq.load_model against the bf16 model.
+
+E2E_CONFIG = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=4096,
+                  max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
+    """Build a Qwen3-30B-A3B-shaped checkpoint (random N(0, 0.02) bf16 weights, ``layers`` decoder layers, small
+    vocabulary), convert it with expq (experts_int8 format), and time full forwards (``use_cache=False``, eager,
+    CUDA events, median of ``reps``) of the bf16 model (transformers' own experts) and of expq.load_model's model
+    (int8 experts through expq's kernel): a decode-shaped batch (``decode_batch`` sequences of 1 token) and one
+    prefill (1 sequence of ``prefill_len`` tokens). Reports tokens/s (tokens per forward / time) and int8 / bf16."""
+    import statistics
+
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import expq
+    from expq.runtime import load_model
+
+    work = Path(work)
+    src, out = work / "src", work / "int8"
+    cfg = AutoConfig.for_model("qwen3_moe", num_hidden_layers=layers, **E2E_CONFIG)
+    t0 = time.perf_counter()
+    if not (src / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                p.copy_(torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * 0.02)
+        model.config.dtype = torch.bfloat16
+        model.save_pretrained(src, max_shard_size="4GB")
+        del model
+        torch.cuda.empty_cache()
+    if not (out / "config.json").exists():
+        expq.convert(src, out, device="cuda", format="experts-int8", overwrite=True, fsync=False)
+    log(f"e2e: checkpoint built and converted in {time.perf_counter() - t0:.1f}s ({layers} layers)")
+
+    def bench(model, ids):
+        with torch.inference_mode():
+            for _ in range(2):
+                model(input_ids=ids, use_cache=False)
+            ts = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                model(input_ids=ids, use_cache=False)
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+        return ids.numel() / statistics.median(ts), statistics.median(ts)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {"decode": torch.randint(0, cfg.vocab_size, (decode_batch, 1), device="cuda", generator=g),
+              "prefill": torch.randint(0, cfg.vocab_size, (1, prefill_len), device="cuda", generator=g)}
+    results = {}
+    for which in ("bf16", "int8"):
+        if which == "bf16":
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cuda")
+        else:
+            model = load_model(out, device="cuda", dtype=torch.bfloat16)
+        model.eval()
+        impl = getattr(model.config, "_experts_implementation", None)
+        for kind, ids in inputs.items():
+            tps, sec = bench(model, ids)
+            results[(which, kind)] = dict(tokens_per_s=tps, seconds=sec, tokens=ids.numel(), experts_impl=impl)
+            log(f"e2e {which} {kind}: {tps:.0f} tokens/s ({sec * 1e3:.2f} ms per forward of {ids.numel()} tokens)")
+        del model
+        torch.cuda.empty_cache()
+    lines = [f"e2e: Qwen3-30B-A3B-shaped, {layers} layers, bf16 activations; "
+             f"transformers {transformers.__version__}; forward without KV cache, median of {reps}", "",
+             "| forward | tokens | bf16 tokens/s | int8 (expq) tokens/s | int8 / bf16 |", "|---|---|---|---|---|"]
+    for kind, ids in inputs.items():
+        b, i8 = results[("bf16", kind)], results[("int8", kind)]
+        label = f"decode batch {decode_batch}" if kind == "decode" else f"prefill {prefill_len}"
+        lines.append(f"| {label} | {ids.numel()} | {b['tokens_per_s']:.0f} | {i8['tokens_per_s']:.0f} | "
+                     f"{i8['tokens_per_s'] / b['tokens_per_s']:.2f}x |")
+    print("\n".join(lines))
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(
+            meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
+                      layers=layers, config=E2E_CONFIG, reps=reps),
+            rows=[dict(model=w, forward=k, **v) for (w, k), v in results.items()]), indent=1))
+
+
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def main():
@@ -213,6 +465,17 @@ def main():
     parser.add_argument("--no-graph", action="store_true", help="eager timing only")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--sweep", action="store_true", help="instead: time a list of block configs (tuning aid)")
+    parser.add_argument("--compare", action="store_true",
+                        help="instead: expq vs vLLM bf16, vLLM int8_w8a16 and Marlin, same run (issue 13)")
+    parser.add_argument("--md", default=None, help="--compare: also write the markdown table here")
+    parser.add_argument("--json", default=None, help="--compare / --e2e: write the results here")
+    parser.add_argument("--e2e", action="store_true",
+                        help="instead: tokens/s of a Qwen3-30B-A3B-shaped model, expq int8 experts vs bf16")
+    parser.add_argument("--e2e-layers", type=int, default=4)
+    parser.add_argument("--e2e-decode-batch", type=int, default=64)
+    parser.add_argument("--e2e-prefill", type=int, default=4096)
+    parser.add_argument("--e2e-work", default="build/e2e", help="where the e2e checkpoints are written")
+    parser.add_argument("--e2e-reps", type=int, default=10)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
@@ -221,6 +484,12 @@ def main():
     names = [n for n in SHAPES if any(n.startswith(s) for s in args.shapes)]
     if args.sweep:
         sweep(names, args.tokens, dtype, min(args.rep, 50))
+        return
+    if args.compare:
+        compare(names, args.tokens, dtype, args.rep, args.md, args.json)
+        return
+    if args.e2e:
+        e2e(args.e2e_layers, args.e2e_decode_batch, args.e2e_prefill, args.e2e_work, args.e2e_reps, args.json)
         return
 
     baselines = []  # (name, fn, capturable), tried in order; the first that runs is kept for the whole run

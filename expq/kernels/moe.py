@@ -462,15 +462,25 @@ _INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GR
                            num_stages=1)
 
 
-def get_config(num_tokens: int, num_experts: int, top_k: int, device=None) -> dict:
+def get_config(num_tokens: int, num_experts: int, top_k: int, device=None, *, hidden_size: int | None = None,
+               intermediate_size: int | None = None, dtype=None, tuned: bool = True) -> dict:
     """Block sizes for ``fused_moe_w8a16_kernel``: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages.
 
-    Chosen from ``_CONFIG_TABLE`` by the average number of (token, slot) pairs per expert,
-    ``num_tokens * top_k / num_experts``: BLOCK_SIZE_M 16 for decode-sized groups up to 64 for large prefill groups.
-    CPU (interpreter) gets small fixed tiles. Returns a new dict.
+    With ``hidden_size``, ``intermediate_size`` and ``dtype`` given, a CUDA ``device`` and ``tuned``: the entry of
+    the GPU's tuned table (``expq.kernels.tuned``: exact (E, H, I, top_k, dtype), nearest token bucket) when there
+    is one. Otherwise (no table for this GPU, shape not in it, shape not given) the built-in default: chosen from
+    ``_CONFIG_TABLE`` by the average number of (token, slot) pairs per expert, ``num_tokens * top_k /
+    num_experts``: BLOCK_SIZE_M 16 for decode-sized groups up to 64 for large prefill groups. CPU (interpreter)
+    gets small fixed tiles. Returns a new dict.
     """
     if device is not None and torch.device(device).type == "cpu":
         return dict(_INTERPRETER_CONFIG)
+    if tuned and hidden_size is not None and intermediate_size is not None and dtype is not None:
+        from . import tuned as _tuned
+
+        cfg = _tuned.lookup(num_tokens, num_experts, hidden_size, intermediate_size, top_k, dtype, device)
+        if cfg is not None:
+            return cfg
     per_expert = num_tokens * top_k / max(num_experts, 1)
     for limit, config in _CONFIG_TABLE:
         if per_expert <= limit:
@@ -507,7 +517,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     if t_dim == 0:
         return hidden_states.new_zeros(0, h_dim)
     if config is None:
-        config = get_config(t_dim, e_dim, top_k, device)
+        config = get_config(t_dim, e_dim, top_k, device, hidden_size=h_dim, intermediate_size=i_dim, dtype=dtype)
     num_pairs = t_dim * top_k
 
     x = hidden_states.contiguous()

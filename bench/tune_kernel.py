@@ -1,0 +1,412 @@
+"""Tune the block configs of expq's fused-MoE w8a16 kernel on this GPU; write the table get_config reads (issue 13).
+
+Usage (repo root, CUDA machine; PYTHONPATH=. or an install of this checkout):
+    python3 bench/tune_kernel.py --out build/tune --budget-s 500          # the 18 issue-13 points, resumable
+    python3 bench/tune_kernel.py --out build/tune --quick                 # a small search space (a few minutes)
+    python3 bench/tune_kernel.py --out build/tune --shapes qwen --tokens 1 8 --dtype float16
+    python3 bench/tune_kernel.py --out build/tune --shapes 64,2048,1408,6  # any E,H,I,top_k
+
+What it does, per shape (E, H, I, top_k) and token count T (a "point"), with the weights and routing of
+bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
+
+1. stage A: every tile (BLOCK_SIZE_M x N x K) of the space whose BLOCK_SIZE_M suits the pairs per expert
+   (T * top_k / E), at num_warps 4 and the deepest num_stages that fits shared memory, plus today's default config;
+2. stage B: the best ``--refine`` tiles of stage A again with every num_warps x num_stages x GROUP_SIZE_M;
+3. final: the best 3 configs and the default re-timed with ``--final-rep``; the fastest whose output is within the
+   kernel tests' bounds of the fp32 ``moe_reference`` (rel <= 8u, worst token <= 16u; u = 2^-8 bf16, 2^-11 fp16)
+   is the point's winner.
+
+Each time is the median of ``triton.testing.do_bench`` replaying the whole pipeline (sort, GEMM1, activation, GEMM2,
+top-k sum) captured in a CUDA graph; do_bench clears L2 before every replay, so weights are read from HBM. One config
+applies to both GEMMs (the kernel's API). Kernels are compiled ahead in ``--jobs`` worker processes (a tiny problem
+with the same H, I, top_k, T and dtype: the same Triton specialisations) into the Triton cache, which the timing
+process then reads; set TRITON_CACHE_DIR to a folder kept between calls (e.g. build/triton-cache) to reuse it.
+
+Outputs in ``--out``: ``<GPU>.raw.json`` (every timing, per point; the resume state) and ``<GPU>.json`` (the table
+of the finished points, ``"measured": true``, the format of ``expq/kernels/tuned.py``; copy it to
+``expq/kernels/configs/`` to ship it). Both are rewritten after every point. A second run skips finished points and
+configs already timed. ``--budget-s``: stop starting work after that many seconds of wall time (from the start of
+the process) and save; the last line says DONE or INCOMPLETE (run again to resume). Progress goes to stderr.
+
+``--device cpu`` (tests only): Triton's interpreter (TRITON_INTERPRET=1, float16), wall-clock medians; no CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_kernel import SHAPES, TOKENS, graph_time, make_routing, make_weights  # noqa: E402
+
+from expq.kernels import moe, moe_reference  # noqa: E402
+from expq.kernels import tuned  # noqa: E402
+
+T0 = time.monotonic()
+RAW_FORMAT = "expq-moe-tune-raw/1"
+SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB of shared memory per block; keep a margin
+
+# The search space.
+TILE_M = (16, 32, 64, 128)
+TILE_N = (32, 64, 128, 256)
+TILE_K = (64, 128, 256)
+WARPS = (4, 8)
+STAGES = (2, 3, 4, 5)
+GROUPS = (1, 8)
+QUICK_N = (64, 128)
+QUICK_WARPS = (4, 8)
+QUICK_STAGES = (3, 4)
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def log(msg):
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def cfg_id(c) -> str:
+    return (f"M{c['BLOCK_SIZE_M']}_N{c['BLOCK_SIZE_N']}_K{c['BLOCK_SIZE_K']}_G{c['GROUP_SIZE_M']}"
+            f"_w{c['num_warps']}_s{c['num_stages']}")
+
+
+def make_cfg(m, n, k, g, w, s) -> dict:
+    return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
+
+
+def smem(m, n, k, s) -> int:
+    """Shared memory of the software pipeline: per stage an A tile (16-bit) and a B tile (int8)."""
+    return s * (m * k * 2 + k * n)
+
+
+def m_allowed(m, per_expert) -> bool:
+    """bench_kernel.py --sweep's rule: BLOCK_SIZE_M neither far above the pairs per expert nor far below."""
+    return not (m > max(16, 2 * per_expert) or m < min(64, per_expert / 4))
+
+
+def stage_a(per_expert, quick) -> list[dict]:
+    out = []
+    for m in TILE_M:
+        if not m_allowed(m, per_expert):
+            continue
+        for n in (QUICK_N if quick else TILE_N):
+            for k in TILE_K:
+                s = next((s for s in (4, 3, 2) if smem(m, n, k, s) <= SMEM_BYTES), None)
+                if s is not None:
+                    out.append(make_cfg(m, n, k, 8 if m >= 64 else 1, 4, s))
+    return out
+
+
+def stage_b(tiles, quick) -> list[dict]:
+    out = []
+    for m, n, k in tiles:
+        for w in (QUICK_WARPS if quick else WARPS):
+            for s in (QUICK_STAGES if quick else STAGES):
+                if smem(m, n, k, s) > SMEM_BYTES:
+                    continue
+                for g in ((8 if m >= 64 else 1,) if quick else GROUPS):
+                    out.append(make_cfg(m, n, k, g, w, s))
+    return out
+
+
+def parse_shapes(specs) -> list[tuple[str, tuple]]:
+    out = []
+    for s in specs:
+        if "," in s:
+            e, h, i, k = (int(v) for v in s.split(","))
+            out.append((f"E{e}-H{h}-I{i}-k{k}", (e, h, i, k)))
+            continue
+        hits = [n for n in SHAPES if n.startswith(s)]
+        if not hits:
+            sys.exit(f"unknown shape {s!r}: one of {list(SHAPES)} (prefix ok) or E,H,I,top_k")
+        out += [(n, SHAPES[n]) for n in hits if (n, SHAPES[n]) not in out]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation in worker processes (fills the Triton cache).
+
+
+def _compile_one(h, i, top_k, t, dtype_name, cfg):
+    """Run the pipeline once with ``cfg`` on a problem of few experts with the timing problem's H, I, top_k, T and
+    dtype (Triton specialises on these, not on E). Returns (cfg id, error or None)."""
+    try:
+        dtype = getattr(torch, dtype_name)
+        e = max(top_k, 8)
+        w13 = torch.zeros(e, 2 * i, h, dtype=torch.int8, device="cuda")
+        w2 = torch.zeros(e, h, i, dtype=torch.int8, device="cuda")
+        s13 = torch.ones(e, 2 * i, device="cuda")
+        s2 = torch.ones(e, h, device="cuda")
+        x = torch.zeros(t, h, dtype=dtype, device="cuda")
+        ti = (torch.arange(t * top_k, device="cuda") % e).reshape(t, top_k).to(torch.int32)
+        tw = torch.full((t, top_k), 1.0 / top_k, device="cuda")
+        moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti, config=cfg)
+        torch.cuda.synchronize()
+        return cfg_id(cfg), None
+    except Exception as exc:  # noqa: BLE001 - reported; the timing process retries and records the failure
+        return cfg_id(cfg), f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+class Compiler:
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.pool = None
+        self.done: set = set()
+
+    def warm(self, h, i, top_k, t, dtype_name, cfgs, deadline):
+        """Compile the configs not compiled yet for this (H, I, top_k, T-specialisation); stop at ``deadline``."""
+        if self.jobs <= 0:
+            return
+        spec = (t * top_k) % 16 == 0, t * top_k == 1
+        todo = [c for c in cfgs if (h, i, top_k, spec, dtype_name, cfg_id(c)) not in self.done]
+        if not todo:
+            return
+        if self.pool is None:
+            import multiprocessing as mp
+
+            self.pool = cf.ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
+        t1 = time.monotonic()
+        futs = [self.pool.submit(_compile_one, h, i, top_k, t, dtype_name, c) for c in todo]
+        failed = 0
+        try:
+            for f in cf.as_completed(futs, timeout=max(1.0, deadline - time.monotonic())):
+                cid, err = f.result()
+                self.done.add((h, i, top_k, spec, dtype_name, cid))
+                failed += err is not None
+        except cf.TimeoutError:
+            for f in futs:
+                f.cancel()
+            log("compile: budget reached; the rest compiles when timed")
+        except Exception as exc:  # noqa: BLE001 - e.g. a worker died (BrokenProcessPool): compile while timing
+            log(f"compile workers failed ({type(exc).__name__}: {str(exc)[:200]}); compiling in the timing process "
+                f"from now on")
+            self.close()
+            self.pool, self.jobs = None, 0
+        log(f"compiled {len(todo)} configs in {time.monotonic() - t1:.1f}s with {self.jobs} workers "
+            f"({failed} failed to compile or run)")
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Timing and checking.
+
+
+def cpu_time(fn, reps=3):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def errors(out, ref):
+    diff = out.float() - ref
+    ref_norm = ref.norm(dim=1)
+    live = ref_norm > 0
+    rel = (diff.norm() / ref.norm()).item()
+    token = (diff.norm(dim=1)[live] / ref_norm[live]).max().item() if bool(live.any()) else 0.0
+    return rel, token
+
+
+def bounds(dtype):
+    u = UNIT_ROUNDOFF.get(dtype)
+    return (8 * u, 16 * u) if u else (1e-5, 2e-5)
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def build_table(raw) -> dict:
+    shapes: dict = {}
+    for p in raw["points"].values():
+        if p.get("done") and p.get("winner"):
+            shapes.setdefault(p["key"], {})[str(p["tokens"])] = p["winner"]
+    for k in shapes:
+        shapes[k] = dict(sorted(shapes[k].items(), key=lambda kv: int(kv[0])))
+    return dict(format=tuned.FORMAT, measured=True, gpu=raw["gpu"],
+                meta=dict(raw["meta"], points=sum(len(v) for v in shapes.values())), shapes=shapes)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"{list(SHAPES)} (prefix ok) or E,H,I,top_k")
+    ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--out", default="build/tune", help="folder of the table and the raw results (resume state)")
+    ap.add_argument("--budget-s", type=float, default=math.inf, help="stop starting work after this wall time")
+    ap.add_argument("--quick", action="store_true", help="small space: N in (64, 128), 1 refined tile, 2x2 knobs")
+    ap.add_argument("--refine", type=int, default=3, help="stage-A tiles refined in stage B (quick: 1)")
+    ap.add_argument("--rep", type=int, default=20, help="do_bench rep (ms) of the search")
+    ap.add_argument("--final-rep", type=int, default=100, help="do_bench rep (ms) of the final re-timing")
+    ap.add_argument("--jobs", type=int, default=None, help="compile workers (default: CPU cores - 2, at most 12)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
+    ap.add_argument("--space", default=None, help=argparse.SUPPRESS)  # tests: JSON list of configs, stage A only
+    a = ap.parse_args()
+
+    dev = a.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        sys.exit("tune_kernel.py needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1, for tests)")
+    dtype = getattr(torch, a.dtype) if dev == "cuda" else torch.float16
+    dtype_name = str(dtype).removeprefix("torch.")
+    deadline = T0 + a.budget_s
+    refine = 1 if a.quick and a.refine == 3 else a.refine
+    jobs = (min(12, max(0, (os.cpu_count() or 2) - 2)) if a.jobs is None else a.jobs) if dev == "cuda" else 0
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu-interpreter"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    norm = tuned.normalize_gpu_name(gpu)
+    raw_path, table_path = out / f"{norm}.raw.json", out / f"{norm}.json"
+    meta = dict(tuner="bench/tune_kernel.py", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, started=time.strftime("%Y-%m-%dT%H:%M:%S"), quick=a.quick,
+                rep_ms=a.rep, final_rep_ms=a.final_rep, timing="do_bench median of CUDA-graph replays, L2 cleared"
+                if dev == "cuda" else "wall clock, interpreter")
+    raw = json.loads(raw_path.read_text()) if raw_path.exists() else dict(format=RAW_FORMAT, gpu=gpu, meta=meta,
+                                                                          points={})
+    if raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
+        sys.exit(f"{raw_path}: not a raw file of this tuner for {gpu!r}; use another --out")
+    space = None if a.space is None else json.loads(a.space)
+    shapes = parse_shapes(a.shapes)
+    points = [(n, s, t) for n, s in shapes for t in a.tokens]
+    todo = [(n, s, t) for n, s, t in points
+            if not raw["points"].get(f"{tuned.shape_key(*s[:3], s[3], dtype)}|T={t}", {}).get("done")]
+    log(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; {dtype_name}; {len(points)} points, "
+        f"{len(points) - len(todo)} already done; budget {a.budget_s:.0f}s; compile workers {jobs}")
+    compiler = Compiler(jobs)
+    stopped = False
+
+    def save():
+        raw["meta"]["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_json(raw_path, raw)
+        write_json(table_path, build_table(raw))
+
+    try:
+        for name, (e, h, i, top_k) in shapes:
+            mine = [t for n, _, t in todo if n == name]
+            if not mine or stopped:
+                continue
+            g = None
+            w13, w2, s13, s2, g = make_weights(e, h, i, dev)
+            for t in mine:
+                if time.monotonic() > deadline:
+                    stopped = True
+                    break
+                key = tuned.shape_key(e, h, i, top_k, dtype)
+                pkey = f"{key}|T={t}"
+                p = raw["points"].setdefault(pkey, dict(key=key, shape=name, E=e, H=h, I=i, top_k=top_k, tokens=t,
+                                                        timings={}, errors={}))
+                gen = torch.Generator(device=dev).manual_seed(1000 + t)
+                x, tw, ti = make_routing(t, e, h, top_k, dtype, dev, gen)
+                per_expert = t * top_k / e
+                default = moe.get_config(t, e, top_k, "cuda", tuned=False)
+
+                def run(cfg):
+                    return moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti, config=cfg)
+
+                def measure(cfgs, rep, store):
+                    """Time the configs not in ``store`` yet; False when the budget ran out."""
+                    cfgs = [c for c in cfgs if cfg_id(c) not in store and cfg_id(c) not in p["errors"]]
+                    compiler.warm(h, i, top_k, t, dtype_name, cfgs, deadline)
+                    for c in cfgs:
+                        if time.monotonic() > deadline:
+                            return False
+                        try:
+                            us = graph_time(lambda: run(c), rep) if dev == "cuda" else cpu_time(lambda: run(c))
+                        except Exception as exc:  # noqa: BLE001 - out of resources etc.: recorded, skipped
+                            p["errors"][cfg_id(c)] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                            if dev == "cuda":
+                                torch.cuda.synchronize()
+                            continue
+                        if us is None:
+                            p["errors"][cfg_id(c)] = "graph capture failed"
+                        else:
+                            store[cfg_id(c)] = dict(cfg=c, us=us)
+                    return True
+
+                all_cfgs = {cfg_id(c): c for c in (space if space is not None else stage_a(per_expert, a.quick))}
+                all_cfgs.setdefault(cfg_id(default), default)
+                if not measure(list(all_cfgs.values()), a.rep, p["timings"]):
+                    stopped = True
+                    break
+                if space is None:
+                    ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
+                    tiles = []
+                    for r in ranked:
+                        c = r["cfg"]
+                        tile = (c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"])
+                        if tile not in tiles:
+                            tiles.append(tile)
+                    if not measure(stage_b(tiles[:refine], a.quick), a.rep, p["timings"]):
+                        stopped = True
+                        break
+                # Final: the best 3 and the default, re-timed longer; the fastest that passes the check wins.
+                ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
+                finalists = {cfg_id(r["cfg"]): r["cfg"] for r in ranked[:3]}
+                finalists.setdefault(cfg_id(default), default)
+                p.setdefault("final", {})
+                if not measure(list(finalists.values()), a.final_rep, p["final"]):
+                    stopped = True
+                    break
+                ref = moe_reference(x, w13, w2, s13, s2, tw, ti)
+                rel_b, tok_b = bounds(dtype)
+                p["checks"] = {}
+                winner = None
+                for r in sorted(p["final"].values(), key=lambda r: r["us"]):
+                    rel, tok = errors(run(r["cfg"]), ref)
+                    ok = math.isfinite(rel) and rel <= rel_b and tok <= tok_b
+                    p["checks"][cfg_id(r["cfg"])] = dict(rel=rel, token=tok, ok=ok)
+                    if ok:
+                        winner = r
+                        break
+                del ref
+                d = p["final"].get(cfg_id(default))
+                p.update(done=True, winner=None if winner is None else winner["cfg"],
+                         winner_us=None if winner is None else winner["us"], default=default,
+                         default_us=None if d is None else d["us"], bounds=dict(rel=rel_b, token=tok_b))
+                if winner is None:
+                    log(f"{name} T={t}: NO config passed the check ({p['checks']}); no table entry")
+                else:
+                    sp = p["default_us"] / winner["us"] if p["default_us"] else float("nan")
+                    log(f"{name} T={t}: {cfg_id(winner['cfg'])} {winner['us']:.1f} us; default "
+                        f"{cfg_id(default)} {p['default_us'] or float('nan'):.1f} us ({sp:.2f}x); "
+                        f"{len(p['timings'])} timed, {len(p['errors'])} failed")
+                save()
+            del w13, w2, s13, s2
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        save()
+        compiler.close()
+    left = [1 for n, s, t in points
+            if not raw["points"].get(f"{tuned.shape_key(*s[:3], s[3], dtype)}|T={t}", {}).get("done")]
+    print(f"wrote {table_path} and {raw_path}")
+    if left:
+        print(f"INCOMPLETE: {len(left)} of {len(points)} points left (budget); run the same command again to resume")
+    else:
+        print(f"DONE: {len(points)} points")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Tuned block configs of the fused-MoE w8a16 kernel, per GPU, shape and token bucket (issue 13).
+
+A table is a JSON file ``expq/kernels/configs/<GPU>.json``, ``<GPU>`` being ``normalize_gpu_name`` of
+``torch.cuda.get_device_name`` (``"NVIDIA H200"`` -> ``NVIDIA_H200``), written by ``bench/tune_kernel.py``:
+
+    {
+      "format": "expq-moe-configs/1",
+      "measured": true,
+      "gpu": "NVIDIA H200",
+      "meta": {"tuner": "bench/tune_kernel.py", "triton": "3.6.0", "torch": "2.11.0", "date": "...", ...},
+      "shapes": {
+        "E=128,H=2048,I=768,top_k=8,dtype=bfloat16": {
+          "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                "num_warps": 4, "num_stages": 4},
+          "8": {...}, ...
+        }
+      }
+    }
+
+``lookup`` answers for a CUDA device only, and only when its GPU has a file and the exact (E, H, I, top_k, dtype)
+is in it; the token bucket is the nearest key to the token count (``abs(bucket - T)``, ties to the smaller
+bucket: vLLM's rule for its own tuned files). Otherwise it returns None and ``get_config`` keeps its built-in
+default. A file whose ``measured`` is not ``true``, of another format, or with a malformed entry is ignored as a
+whole (one warning), never half-used. Files are read once per process.
+
+``EXPQ_KERNEL_CONFIGS``: a directory searched before the package's own (to try a freshly tuned table before it is
+committed); the value ``off`` disables tables altogether.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+FORMAT = "expq-moe-configs/1"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+ENV = "EXPQ_KERNEL_CONFIGS"
+
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+"""The knobs a table entry sets: exactly those of ``get_config`` (the kernel has no other)."""
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+__all__ = ["CONFIG_DIR", "CONFIG_KEYS", "FORMAT", "check_config", "clear_cache", "load_table", "lookup",
+           "normalize_gpu_name", "pick_bucket", "shape_key"]
+
+
+def normalize_gpu_name(name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"NVIDIA_H200"``: runs of characters other than letters, digits, ``.`` and ``-``
+    become one ``_``, without leading or trailing ``_``."""
+    return re.sub(r"[^A-Za-z0-9.\-]+", "_", name).strip("_")
+
+
+def shape_key(num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, dtype) -> str:
+    """The table key of a shape: ``"E=128,H=2048,I=768,top_k=8,dtype=bfloat16"`` (dtype: a torch dtype or its
+    name)."""
+    name = _DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+    return f"E={int(num_experts)},H={int(hidden_size)},I={int(intermediate_size)},top_k={int(top_k)},dtype={name}"
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def check_config(cfg) -> dict:
+    """A table entry as ``get_config`` returns it (a new dict of ``CONFIG_KEYS``), or ValueError saying what is
+    wrong: every key present, no other, block sizes powers of two >= 16 (``tl.dot``), GROUP_SIZE_M >= 1,
+    num_warps a power of two in [1, 32], num_stages in [1, 8]."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"expected an object, got {type(cfg).__name__}")
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    extra = [k for k in cfg if k not in CONFIG_KEYS]
+    if missing or extra:
+        raise ValueError(f"keys: missing {missing}, unknown {extra}")
+    for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
+        if not _pow2(cfg[k]) or cfg[k] < 16:
+            raise ValueError(f"{k}: expected a power of two >= 16, got {cfg[k]!r}")
+    if not isinstance(cfg["GROUP_SIZE_M"], int) or isinstance(cfg["GROUP_SIZE_M"], bool) or cfg["GROUP_SIZE_M"] < 1:
+        raise ValueError(f"GROUP_SIZE_M: expected an integer >= 1, got {cfg['GROUP_SIZE_M']!r}")
+    if not _pow2(cfg["num_warps"]) or cfg["num_warps"] > 32:
+        raise ValueError(f"num_warps: expected a power of two <= 32, got {cfg['num_warps']!r}")
+    st = cfg["num_stages"]
+    if not isinstance(st, int) or isinstance(st, bool) or not 1 <= st <= 8:
+        raise ValueError(f"num_stages: expected an integer in [1, 8], got {st!r}")
+    return {k: cfg[k] for k in CONFIG_KEYS}
+
+
+def _parse(data, path) -> dict:
+    """{shape key: sorted [(bucket, config)]} from a file's JSON, or ValueError."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"not an {FORMAT} table")
+    if data.get("measured") is not True:
+        raise ValueError("not marked measured (\"measured\": true)")
+    shapes = data.get("shapes")
+    if not isinstance(shapes, dict):
+        raise ValueError("'shapes' must be an object")
+    table = {}
+    for key, buckets in shapes.items():
+        if not isinstance(buckets, dict) or not buckets:
+            raise ValueError(f"{key}: expected a non-empty object of token buckets")
+        rows = []
+        for b, cfg in buckets.items():
+            try:
+                bucket = int(b)
+            except ValueError:
+                raise ValueError(f"{key}: token bucket {b!r} is not an integer") from None
+            if bucket < 1:
+                raise ValueError(f"{key}: token bucket {b!r} < 1")
+            try:
+                rows.append((bucket, check_config(cfg)))
+            except ValueError as e:
+                raise ValueError(f"{key}, bucket {b}: {e}") from None
+        table[key] = sorted(rows, key=lambda r: r[0])
+    return table
+
+
+_CACHE: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget the files read (tests; a table written while the process runs)."""
+    _CACHE.clear()
+
+
+def _dirs() -> list[Path]:
+    env = os.environ.get(ENV, "").strip()
+    if env.lower() == "off":
+        return []
+    return ([Path(env)] if env else []) + [CONFIG_DIR]
+
+
+def load_table(gpu_name: str) -> dict | None:
+    """The parsed table of ``gpu_name`` (raw name or normalised): the first readable file
+    ``<dir>/<normalised name>.json`` of ``EXPQ_KERNEL_CONFIGS`` then the package's ``configs/``; None if there is
+    none. A file that cannot be used is ignored (one warning per process) and the search goes on."""
+    norm = normalize_gpu_name(gpu_name)
+    cache_key = (norm, os.environ.get(ENV, ""))
+    if cache_key in _CACHE:
+        return _CACHE[cache_key]
+    table = None
+    for d in _dirs():
+        path = d / f"{norm}.json"
+        if not path.is_file():
+            continue
+        try:
+            table = _parse(json.loads(path.read_text()), path)
+            break
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            warnings.warn(f"expq: ignoring the kernel config table {path}: {e}", RuntimeWarning, stacklevel=2)
+    _CACHE[cache_key] = table
+    return table
+
+
+def pick_bucket(rows: list, num_tokens: int):
+    """The config of the nearest bucket in ``rows`` (sorted [(bucket, config)]): min |bucket - T|, ties to the
+    smaller bucket."""
+    best = min(rows, key=lambda r: (abs(r[0] - num_tokens), r[0]))
+    return best[1]
+
+
+_GPU_NAMES: dict = {}
+
+
+def _gpu_name(device) -> str | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index
+    if index not in _GPU_NAMES:
+        try:
+            if not torch.cuda.is_available():
+                return None
+            _GPU_NAMES[index] = torch.cuda.get_device_name(index if index is not None else torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - no usable CUDA: no table
+            return None
+    return _GPU_NAMES[index]
+
+
+def lookup(num_tokens: int, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, dtype,
+           device) -> dict | None:
+    """The tuned config (a new dict) for this call, or None: not a CUDA device, no table for its GPU, or the shape
+    is not in it."""
+    if device is None or os.environ.get(ENV, "").strip().lower() == "off":
+        return None
+    name = _gpu_name(device)
+    if name is None:
+        return None
+    table = load_table(name)
+    if not table:
+        return None
+    rows = table.get(shape_key(num_experts, hidden_size, intermediate_size, top_k, dtype))
+    if not rows:
+        return None
+    return dict(pick_bucket(rows, num_tokens))
