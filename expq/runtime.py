@@ -80,6 +80,16 @@ def _int8_experts_class(base: type, weight_numel: int) -> type:
                     if p.numel() >= weight_numel:
                         setattr(mod, name, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False))
 
+        def _apply(self, fn, *args, **kwargs):
+            # model.to(dtype) / .half() / .float() cast floating buffers: the fp32 scales must stay fp32 (their
+            # values are the compute dtype's; another float dtype would round them). They move with the device only.
+            scales = {n: self._buffers.pop(n) for n in ("w13_scale", "w2_scale") if self._buffers.get(n) is not None}
+            out = super()._apply(fn, *args, **kwargs)
+            for n, t in scales.items():
+                device = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+                self.register_buffer(n, t.to(device), persistent=False)
+            return out
+
         def attach(self, ex: LayerExperts, *, activation: str, forward_kind: str, on_input: bool,
                    device: torch.device) -> None:
             for name, t in (("w13_weight", ex.w13), ("w2_weight", ex.w2), ("w13_scale", ex.w13_scale),

@@ -140,3 +140,19 @@ def test_load_model_errors(tmp_path, tmp_path_factory):
     src = example(tmp_path_factory, "mixtral")
     with pytest.raises(expq.ExpqError, match="quantization_config"):
         expq.load_model(src)
+
+
+def test_dtype_casts_keep_the_int8_experts_exact(outputs):
+    """model.to(float16) / .float() cast the rest of the model; the int8 codes and fp32 scales stay as they are."""
+    src, out = outputs("qwen3_moe")
+    model = expq.load_model(out, device="cpu")
+    mods = [m for m in model.modules() if getattr(m, "expq_int8", False)]
+    before = [{n: getattr(m, n).clone() for n in ("w13_weight", "w2_weight", "w13_scale", "w2_scale")} for m in mods]
+    for cast in (lambda m: m.to(torch.float16), lambda m: m.float()):
+        cast(model)
+        for m, b in zip(mods, before):
+            for n, t in b.items():
+                assert getattr(m, n).dtype == t.dtype and torch.equal(getattr(m, n), t), n
+    assert next(model.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
