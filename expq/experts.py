@@ -204,6 +204,16 @@ class ExpertMap:
             return None
         return int(m["layer"]), int(m["expert"]), self._proj_of[m["proj"]]
 
+    def modules_with(self, names: Iterable[str], suffix: str) -> dict[tuple[int, int, str], str]:
+        """(layer, expert, proj) -> module name for every tensor name ``<module>.<suffix>`` among ``names`` whose
+        module is a quantized routed-expert output module (how a format finds its quantized modules)."""
+        out = {}
+        for n in names:
+            module, _, suf = n.rpartition(".")
+            if suf == suffix and (key := self.parse_module(module)) is not None:
+                out[key] = module
+        return out
+
     def expected_modules(self) -> dict[tuple[int, int, str], str]:
         """Every (layer, expert, proj) the config says is quantized, with its output module name."""
         return {(L, e, p): self.module_name(L, e, p) for L in self.moe_layers for e in range(self.num_experts)

@@ -139,14 +139,7 @@ class CompressedTensorsFormat:
         return suffix in self.SUFFIXES and self.experts.parse_module(module) is not None
 
     def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
-        out = {}
-        for n in names:
-            if n.endswith(".weight_packed"):
-                module = n[: -len(".weight_packed")]
-                key = self.experts.parse_module(module)
-                if key is not None:
-                    out[key] = module
-        return out
+        return self.experts.modules_with(names, "weight_packed")
 
     # --- quantization_config --------------------------------------------------------------------------------------
     def targets(self) -> list[str]:

@@ -116,14 +116,7 @@ class ExpertsInt8Format:
         return self.classify(name) is not None
 
     def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
-        out = {}
-        for n in names:
-            if n.endswith("." + CODES):
-                module = n[: -len(CODES) - 1]
-                key = self.experts.parse_module(module)
-                if key is not None:
-                    out[key] = module
-        return out
+        return self.experts.modules_with(names, CODES)
 
     def _markers(self) -> dict[str, int]:
         return {self.experts.stock_weight_name(L): L for L in self.experts.moe_layers}
