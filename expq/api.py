@@ -22,7 +22,7 @@ from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
-from .source import Source, resolve_source
+from .source import Source, is_repo_id, resolve_source
 from .streaming import ShardStream, streamed
 from .writer import STOP, OutputDir, OutputError, ShardSet, config_json, index_json, sha256_file
 
@@ -155,6 +155,9 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
     if format not in FORMATS and format != AUTO:
         raise UsageError(f"unknown --format {format!r}; supported: {AUTO}, {', '.join(FORMATS)}")
     _check_targets(out, ray, to_hub)
+    if ray is not None and stream and Path(src).expanduser().exists():
+        raise UsageError("--stream applies to Hub repo ids; SRC is a local directory (convert it without --stream)",
+                         file=str(src))
     if ray is not None:
         return _convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                device=device, revision=revision, max_shard_size=max_shard_size, overwrite=overwrite,
@@ -235,8 +238,8 @@ def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
     directory's headers, or a Hub repo's by ranged reads (``streaming.streamed``; its folder holds the side files
     only)."""
     p = Path(src).expanduser()
-    if p.exists():
-        yield resolve_source(p, revision=revision), None
+    if p.exists() or not is_repo_id(str(src)):  # a directory, or the same error a plain convert gives
+        yield resolve_source(p if p.exists() else src, revision=revision), None
         return
     if token is None:
         from huggingface_hub import get_token

@@ -204,3 +204,16 @@ def test_cannot_connect(tmp_path, tmp_path_factory, monkeypatch):
                                    "--ray", f"127.0.0.1:{port}"])
     assert res.exit_code == 1
     assert one_line(res).startswith(f"error: cannot connect to the Ray cluster at 127.0.0.1:{port}: ")
+
+
+def test_ray_refuses_what_a_plain_convert_refuses(tmp_path, tmp_path_factory):
+    """--stream on a local directory and a SRC that is neither a directory nor a repo id: the same one-line errors
+    as without --ray."""
+    from expq.errors import SourceError, UsageError
+
+    src = example(tmp_path_factory, "mixtral")
+    with pytest.raises(UsageError, match="--stream applies to Hub repo ids"):
+        expq.convert(src, tmp_path / "a", ray="local", stream=True, device="cpu")
+    with pytest.raises(SourceError, match="no such directory, and not a Hub repo id"):
+        expq.convert(tmp_path / "no such dir [bold]", tmp_path / "b", ray="local", device="cpu")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
