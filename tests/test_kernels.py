@@ -169,6 +169,36 @@ def test_naive_block_assignment_layout():
     assert int(num_post) == 64
 
 
+@pytest.mark.parametrize("t,top_k,num_experts,block,dtype", [
+    (1, 1, 4, 16, torch.int64), (5, 2, 8, 4, torch.int32), (33, 2, 6, 16, torch.int64),
+    (40, 3, 5, 8, torch.int32), (7, 2, 64, 16, torch.int32), (100, 1, 3, 128, torch.int64),
+    # more pairs than one program places (ALIGN_CHUNK 128) and than one histogram step (1024)
+    (300, 8, 130, 64, torch.int32)])
+def test_align_triton_kernel_equals_torch(interpret, t, top_k, num_experts, block, dtype):
+    g = torch.Generator().manual_seed(t + num_experts)
+    topk_ids = torch.randint(0, num_experts, (t, top_k), generator=g).to(dtype)
+    ref = moe_mod.moe_align_block_size(topk_ids, block, num_experts, backend="torch")
+    got = moe_mod.moe_align_block_size(topk_ids, block, num_experts, backend="triton")
+    for name, r, o in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), ref, got):
+        assert o.dtype == torch.int32 and torch.equal(o, r), name
+    check_alignment(topk_ids, block, num_experts, *got)
+
+
+def test_align_triton_kernel_skewed_and_bad_ids(interpret):
+    # every pair on the last expert (the others empty), duplicates within a token
+    topk_ids = torch.full((9, 2), 4, dtype=torch.int32)
+    ref = moe_mod.moe_align_block_size(topk_ids, 4, 5, backend="torch")
+    for r, o in zip(ref, moe_mod.moe_align_block_size(topk_ids, 4, 5, backend="triton")):
+        assert torch.equal(o, r)
+    # an id outside [0, E) is left out of every group (the torch backend refuses it on CPU: scatter index error)
+    bad = torch.tensor([[0, 7], [1, -1]], dtype=torch.int32)
+    sorted_ids, expert_ids, num_post = moe_mod.moe_align_block_size(bad, 2, 3, backend="triton")
+    assert int(num_post) == 4 and expert_ids[:2].tolist() == [0, 1]
+    assert sorted_ids[:4].tolist() == [0, 4, 2, 4]
+    with pytest.raises(RuntimeError):
+        moe_mod.moe_align_block_size(bad, 2, 3, backend="torch")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Kernel (interpreter) and torch backend against the fp32 reference.
 
@@ -341,6 +371,44 @@ def test_block_configs():
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=16, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     assert_close_to_reference(moe_mod.fused_moe_triton(*args, **kwargs, config=cfg), moe_reference(*args, **kwargs),
                               torch.float16, "EVEN_K")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("split_k,swap_ab", [(1, True), (2, False), (4, True), (8, False)])
+@pytest.mark.parametrize("top_k,bias,activation", [(2, False, "silu"), (1, True, "swigluoai"), (3, True, "gelu")])
+def test_split_k_and_swap_ab(split_k, swap_ab, top_k, bias, activation, dtype):
+    # SPLIT_K splits GEMM2's K (= I = 40, two BLOCK_K=32 blocks, the last partial: SPLIT_K 4 and 8 are clamped to 2);
+    # SWAP_AB computes both GEMMs' tiles transposed. Same bounds as the unsplit kernel, and within 2u of it.
+    args, kwargs = make_problem(t=21, top_k=top_k, dtype=dtype, seed=40 + split_k + top_k, bias=bias)
+    kwargs["activation"] = activation
+    cfg = dict(moe_mod.get_config(21, E, top_k, "cpu"), SPLIT_K=split_k, SWAP_AB=swap_ab)
+    out = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
+    ref = moe_reference(*args, **kwargs)
+    assert out.dtype == dtype and out.shape == (21, H)
+    assert_close_to_reference(out, ref, dtype, f"SPLIT_K={split_k} SWAP_AB={swap_ab}")
+    plain = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, SPLIT_K=1, SWAP_AB=False))
+    u = UNIT_ROUNDOFF.get(dtype, 2.0**-24)
+    assert errors(out, plain.float())[0] <= 2 * u
+    if split_k == 1:  # the transposed tile does the same arithmetic per output element
+        assert torch.equal(out, plain)
+
+
+def test_split_k_even_k_and_on_input():
+    # H=96, I=64: K blocks of 32 divide both (the unmasked loop), SPLIT_K 2 gives each split one full block;
+    # Llama-4 style router weight on the input (top_k 1: GEMM2's partials still go through the sum kernel)
+    args, kwargs = make_problem(h=96, i=64, t=13, top_k=1, seed=44)
+    cfg = dict(moe_mod.get_config(13, E, 1, "cpu"), SPLIT_K=2, SWAP_AB=True)
+    out = moe_mod.fused_moe_triton(*args, **kwargs, apply_router_weight_on_input=True, config=cfg)
+    assert_close_to_reference(out, moe_reference(*args, **kwargs, apply_router_weight_on_input=True),
+                              torch.float16, "even K, on input")
+
+
+@pytest.mark.parametrize("bad,key", [(dict(SPLIT_K=3), "SPLIT_K"), (dict(BLOCK_SIZE_N=48), "BLOCK_SIZE_N"),
+                                     (dict(SWAP_AB="yes"), "SWAP_AB")])
+def test_bad_config_is_refused(bad, key):
+    args, kwargs = make_problem(t=3)
+    with pytest.raises(ValueError, match=f"config: .*{key}"):
+        moe_mod.fused_moe_triton(*args, **kwargs, config=dict(moe_mod.get_config(3, E, 2, "cpu"), **bad))
 
 
 def test_deterministic():

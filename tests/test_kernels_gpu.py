@@ -161,3 +161,61 @@ def test_align_on_gpu_matches_cpu():
     gpu = moe_mod.moe_align_block_size(topk_ids.cuda(), 16, 64)
     for c, d in zip(cpu, gpu):
         assert torch.equal(c, d.cpu())
+
+
+@pytest.mark.parametrize("t,top_k,e", [(4096, 8, 256), (1, 8, 128), (300, 2, 8), (77, 4, 384)])
+@pytest.mark.parametrize("block", [16, 64])
+def test_align_kernel_equals_torch_at_scale(t, top_k, e, block):
+    # the one-launch Triton sort (every program histograms all ids) against the torch ops, bit for bit
+    g = torch.Generator().manual_seed(t + e)
+    topk_ids = torch.randint(0, e, (t, top_k), generator=g).to(torch.int32)
+    ref = moe_mod.moe_align_block_size(topk_ids, block, e, backend="torch")
+    got = moe_mod.moe_align_block_size(topk_ids.cuda(), block, e)
+    for r, o in zip(ref, got):
+        assert torch.equal(r, o.cpu())
+
+
+KNOBS = [dict(SPLIT_K=s, SWAP_AB=w) for s in (1, 4) for w in (False, True)]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=[f"sk{k['SPLIT_K']}-{'swap' if k['SWAP_AB'] else 'noswap'}"
+                                                for k in KNOBS])
+@pytest.mark.parametrize("e,h,i,top_k,t,bm", [(8, 4096, 1024, 2, 1, 16), (8, 4096, 1024, 2, 200, 64),
+                                              (64, 2048, 768, 8, 33, 16), (32, 2880, 2880, 4, 77, 32)])
+def test_split_k_and_swap_ab_bf16(knobs, e, h, i, top_k, t, bm):
+    dtype = torch.bfloat16
+    bias = h == 2880
+    args, kwargs = make_problem(e, h, i, t, top_k, dtype, seed=t + e + 1, bias=bias, w13_gain=3.0 if bias else 1.0)
+    act = "swigluoai" if bias else "silu"
+    cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
+               **knobs)
+    out = moe_mod.fused_moe_triton(*args, **kwargs, activation=act, config=cfg)
+    ref = moe_reference(*args, **kwargs, activation=act)
+    check(out, ref, dtype, str(cfg))
+    plain = moe_mod.fused_moe_triton(*args, **kwargs, activation=act, config=dict(cfg, SPLIT_K=1, SWAP_AB=False))
+    assert errors(out, plain.float())[0] <= PAIR_BOUND[dtype]
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(SPLIT_K=2, SWAP_AB=True)], ids=["default", "sk2-swap"])
+def test_weight_offsets_beyond_2_31(knobs):
+    # w13 holds 9 * 65536 * 8192 = 4.8e9 int8 codes and w2 half that: the last expert starts at element 2^32 of
+    # w13 and 2^31 of w2, so any int32 offset arithmetic in the kernel reads the wrong weights (or faults).
+    e, h, i, t = 9, 8192, 32768, 3
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(31)
+    x = torch.randn(t, h, generator=g, device="cuda").to(dtype)
+    w13 = torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8, generator=g, device="cuda")
+    w2 = torch.randint(-127, 128, (e, h, i), dtype=torch.int8, generator=g, device="cuda")
+    assert w13[e - 1].storage_offset() >= 2**31 and w2[e - 1].storage_offset() >= 2**31
+    s13 = (torch.rand(e, 2 * i, generator=g, device="cuda") + 0.5) * (math.sqrt(3) / (127 * math.sqrt(h)))
+    s2 = (torch.rand(e, h, generator=g, device="cuda") + 0.5) * (math.sqrt(3) / (127 * math.sqrt(i)))
+    ids = torch.tensor([[e - 1, 0], [e - 1, 1], [0, e - 1]], dtype=torch.int32, device="cuda")
+    tw = torch.rand(t, 2, generator=g, device="cuda") + 0.1
+    args = (x, w13, w2, s13, s2, tw, ids)
+    cfg = None if not knobs else dict(moe_mod.get_config(t, e, 2, "cuda"), **knobs)
+    out = moe_mod.fused_moe_triton(*args, config=cfg)
+    ref = moe_reference(*args)
+    check(out, ref, dtype, "offsets > 2^31")
+    # negative control: the last expert's codes changed -> the output changes
+    w13[e - 1, :16].neg_()
+    assert errors(moe_mod.fused_moe_triton(*args, config=cfg), ref)[0] > 1e-4

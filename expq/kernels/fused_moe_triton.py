@@ -1,15 +1,26 @@
-"""Triton kernels of the experts_int8 fused MoE: one grouped GEMM over experts (int8 weights, 16-bit activations)
-and the gate/up activation.
+"""Triton kernels of the experts_int8 fused MoE: the token sort, one grouped GEMM over experts (int8 weights, 16-bit
+activations), the gate/up activation, and the top-k sum.
 
 The GEMM is vLLM's ``fused_moe_kernel`` on its ``use_int8_w8a16`` path
 (``vllm/model_executor/layers/fused_moe/fused_moe.py``), reduced to that path: each program computes one
 [BLOCK_SIZE_M, BLOCK_SIZE_N] tile of ``C = A[rows] @ dequant(B[expert]).T`` for a block of sorted (token, slot) pairs
 that all go to one expert. The int8 tile is converted to the activation dtype, ``tl.dot`` accumulates in fp32 over the
 K loop, and after the loop the fp32 accumulator is multiplied by the per-output-channel scale, the bias is added, the
-router weight is multiplied in (optional), and the tile is cast to the activation dtype and stored.
+router weight is multiplied in (optional), and the tile is cast to the activation dtype and stored. Two knobs that
+vLLM's kernel lacks, neither changing the arithmetic of an output element except the split-K order of the fp32 sum:
 
-Launch logic (sorting tokens by expert, choosing block sizes, the two-GEMM pipeline) lives in ``expq.kernels.moe``;
-this module holds the kernels and two thin wrappers that launch them.
+* ``SWAP_AB``: the tile is computed transposed, ``C^T = dequant(B) @ A^T``, so the converted weight tile is the
+  first MMA operand (Hopper's wgmma reads that one from registers, the second from shared memory) and the tokens are
+  the MMA's N dimension, which may be as small as 16 (the M dimension of wgmma is at least 64);
+* ``SPLIT_K``: ``program_id(1)`` takes a contiguous share of the K blocks and stores an fp32 partial (scaled,
+  router-weighted; the bias in share 0), for GEMMs with few output tiles (decode-sized groups, large K); the partials
+  are summed in a fixed order by ``moe_sum_kernel``, so the result is deterministic.
+
+``moe_align_kernel`` is ``moe_align_block_size`` in one launch (vLLM has a CUDA op for it; the torch version is about
+30 small kernels), ``moe_sum_kernel`` the sum over the top_k slots (and the split-K partials).
+
+Launch logic (choosing block sizes, the pipeline) lives in ``expq.kernels.moe``; this module holds the kernels and
+thin wrappers that launch them.
 
 CPU tensors run through Triton's interpreter whatever ``TRITON_INTERPRET`` said when this module was imported:
 ``triton.jit`` decides between compiling and interpreting when the decorator runs (Triton 3.x reads
@@ -27,6 +38,24 @@ import triton.language as tl
 # those are compiled-mode objects when Triton was imported without TRITON_INTERPRET, and cannot run inside the
 # interpreted twin that CPU tensors use (see _kernel_for).
 
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+# Combine functions of tl.reduce / tl.associative_scan: Triton's own (tl.sum / tl.max / tl.cumsum use them, and the
+# interpreter runs them as numpy sums, maxima and cumsums), else equivalent ones of ours (slow in the interpreter).
+# tl.sum and friends themselves are @triton.jit helpers, which the interpreted twin cannot call (see above).
+_ADD = getattr(tl.standard, "_sum_combine", _add_combine)
+_MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+
 # Activation ids, the ACTIVATION constexpr of moe_act_and_mul_kernel (index in expq.kernels.moe.ACTIVATIONS).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
 
@@ -36,7 +65,7 @@ def fused_moe_w8a16_kernel(
     # Pointers.
     a_ptr,  # activations, row r of the pair p = sorted_token_ids[i] is A[p // TOP_K]; [rows, K], act dtype
     b_ptr,  # int8 weight codes [E, N, K] (one output channel per row)
-    c_ptr,  # output [num_valid_tokens, N], act dtype; row = (token, slot) pair id
+    c_ptr,  # output [SPLIT_K, num_valid_tokens, N]: act dtype (SPLIT_K == 1) or fp32 partial sums (SPLIT_K > 1)
     b_scale_ptr,  # fp32 [E, N], one scale per output channel
     b_bias_ptr,  # fp32 [E, N] (read only if HAS_BIAS)
     topk_weights_ptr,  # fp32 [num_valid_tokens] (read only if MUL_ROUTED_WEIGHT)
@@ -54,6 +83,7 @@ def fused_moe_w8a16_kernel(
     stride_be,
     stride_bn,
     stride_bk,
+    stride_cs,
     stride_cm,
     stride_cn,
     stride_bse,
@@ -65,6 +95,8 @@ def fused_moe_w8a16_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # program_id(1) in [0, SPLIT_K) takes K blocks [pid_k * K_ITERS, (pid_k + 1) * K_ITERS)
+    SWAP_AB: tl.constexpr,  # accumulate the tile transposed: [BLOCK_SIZE_N, BLOCK_SIZE_M] = dequant(B) @ A^T
     EVEN_K: tl.constexpr,  # K % BLOCK_SIZE_K == 0: no K masks
     TOP_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -95,42 +127,187 @@ def fused_moe_w8a16_kernel(
     offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
     offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
     token_mask = offs_token < num_valid_tokens
+    a_rows = offs_token // TOP_K
 
     # Output channels; wrapped modulo N so that weight, scale and bias loads stay in bounds (the store is masked).
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+
+    # This program's share of the K loop (all of it without split-K).
+    K_BLOCKS: tl.constexpr = (K + BLOCK_SIZE_K - 1) // BLOCK_SIZE_K
+    K_ITERS: tl.constexpr = (K_BLOCKS + SPLIT_K - 1) // SPLIT_K
+    pid_k = tl.program_id(axis=1)
+    if SPLIT_K == 1:
+        k_first = 0
+        k_last = K_BLOCKS
+    else:
+        k_first = pid_k * K_ITERS
+        k_last = min(k_first + K_ITERS, K_BLOCKS)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + (offs_token[:, None] // TOP_K) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + off_expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    a_base = a_ptr + k_first * BLOCK_SIZE_K * stride_ak
+    b_base = b_ptr + off_expert * stride_be + k_first * BLOCK_SIZE_K * stride_bk
+    if SWAP_AB:
+        # A^T tile [BLOCK_SIZE_K, BLOCK_SIZE_M], B tile [BLOCK_SIZE_N, BLOCK_SIZE_K] (rows of W, K contiguous).
+        a_ptrs = a_base + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak
+        b_ptrs = b_base + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
+        accumulator = tl.full((BLOCK_SIZE_N, BLOCK_SIZE_M), 0.0, dtype=tl.float32)
+    else:
+        # A tile [BLOCK_SIZE_M, BLOCK_SIZE_K], B^T tile [BLOCK_SIZE_K, BLOCK_SIZE_N].
+        a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+        accumulator = tl.full((BLOCK_SIZE_M, BLOCK_SIZE_N), 0.0, dtype=tl.float32)
 
     # K loop: int8 tile -> activation dtype, fp32 accumulation. No scale inside the loop.
-    accumulator = tl.full((BLOCK_SIZE_M, BLOCK_SIZE_N), 0.0, dtype=tl.float32)
-    for k in range(0, (K + BLOCK_SIZE_K - 1) // BLOCK_SIZE_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs)
+    for k in range(k_first, k_last):
+        if SWAP_AB:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=token_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=token_mask[None, :] & (offs_k[:, None] < k_left),
+                            other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            accumulator = tl.dot(b.to(compute_type), a, acc=accumulator, input_precision=DOT_PRECISION)
         else:
-            k_left = K - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        accumulator = tl.dot(a, b.to(compute_type), acc=accumulator, input_precision=DOT_PRECISION)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left),
+                            other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+            accumulator = tl.dot(a, b.to(compute_type), acc=accumulator, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    # Epilogue in fp32: per-output-channel scale, then bias, then router weight; one cast at the end.
+    # Epilogue in fp32: per-output-channel scale, then bias (once, in split 0), then router weight; one cast at the
+    # end (to the activation dtype, or none for an fp32 split-K partial).
     b_scale = tl.load(b_scale_ptr + off_expert * stride_bse + offs_bn * stride_bsn)
-    accumulator = accumulator * b_scale[None, :]
     if HAS_BIAS:
         bias = tl.load(b_bias_ptr + off_expert * stride_bbe + offs_bn * stride_bbn)
-        accumulator = accumulator + bias[None, :]
+        bias = tl.where(pid_k == 0, bias, 0.0)
     if MUL_ROUTED_WEIGHT:
         moe_weight = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
-        accumulator = accumulator * moe_weight[:, None]
-    out = accumulator.to(compute_type)
-
-    # Store: only real pairs, only columns < N.
     offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)
-    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, out, mask=token_mask[:, None] & (offs_cn[None, :] < N))
+    c_base = c_ptr + pid_k * stride_cs
+    if SWAP_AB:
+        accumulator = accumulator * b_scale[:, None]
+        if HAS_BIAS:
+            accumulator = accumulator + bias[:, None]
+        if MUL_ROUTED_WEIGHT:
+            accumulator = accumulator * moe_weight[None, :]
+        c_ptrs = c_base + offs_token[None, :] * stride_cm + offs_cn[:, None] * stride_cn
+        c_mask = token_mask[None, :] & (offs_cn[:, None] < N)
+    else:
+        accumulator = accumulator * b_scale[None, :]
+        if HAS_BIAS:
+            accumulator = accumulator + bias[None, :]
+        if MUL_ROUTED_WEIGHT:
+            accumulator = accumulator * moe_weight[:, None]
+        c_ptrs = c_base + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = token_mask[:, None] & (offs_cn[None, :] < N)
+    # Store: only real pairs, only columns < N.
+    tl.store(c_ptrs, accumulator.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def moe_sum_kernel(
+    x_ptr,  # [SPLITS, num_pairs, N]: GEMM2 output, act dtype (SPLITS == 1) or fp32 split-K partials
+    out_ptr,  # [T, N] act dtype, T = num_pairs // TOP_K
+    N,
+    stride_xs,
+    stride_xm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # out[t] = sum over slots k (in order) of round(sum over splits s (in order) of x[s, t * TOP_K + k]): each pair's
+    # value is rounded to the activation dtype once, as the GEMM2 cache of the unsplit pipeline holds it.
+    row = tl.program_id(axis=0).to(tl.int64)
+    cols = tl.program_id(axis=1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for k in range(TOP_K):
+        pair = x_ptr + (row * TOP_K + k) * stride_xm + cols
+        v = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+        for s in range(1, SPLITS):
+            v += tl.load(pair + s * stride_xs, mask=mask, other=0.0)
+        if SPLITS > 1:
+            v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_align_kernel(
+    topk_ids_ptr,  # [numel] int32 / int64 expert id of each (token, slot) pair
+    sorted_token_ids_ptr,  # out int32 [max_padded]
+    expert_ids_ptr,  # out int32 [max_padded // BLOCK_M]
+    num_tokens_post_padded_ptr,  # out int32 [1]
+    scratch_ptr,  # int32 [num_programs, NB]: each program's first free position per expert
+    numel,
+    num_experts,
+    max_padded,
+    BLOCK_M: tl.constexpr,
+    NB: tl.constexpr,  # a power of two > num_experts: bin num_experts collects masked lanes and bad ids
+    CHUNK: tl.constexpr,  # pairs placed per program
+    HCHUNK: tl.constexpr,  # pairs per histogram step
+):
+    # Program p places pairs [p * CHUNK, (p + 1) * CHUNK) at padded_start[e] + (pairs of expert e before it), which
+    # is moe_align_block_size's stable order; program 0 also writes the padding, the block experts and the length.
+    # Every program histograms all ids itself (no grid-wide synchronisation); the positions they write are disjoint.
+    pid = tl.program_id(axis=0)
+    bins = tl.arange(0, NB)
+    chunk_start = pid * CHUNK
+    counts = tl.full((NB,), 0, tl.int32)
+    before = tl.full((NB,), 0, tl.int32)
+    for start in range(0, numel, HCHUNK):
+        offs = start + tl.arange(0, HCHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+        ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts)
+        counts += tl.histogram(ids, NB)
+        before += tl.histogram(tl.where(offs < chunk_start, ids, num_experts), NB)
+    real = bins < num_experts
+    counts = tl.where(real, counts, 0)
+    before = tl.where(real, before, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.associative_scan(padded, 0, _ADD)
+    starts = ends - padded
+
+    # This program's pairs: position = start of its expert + earlier pairs of that expert (earlier chunks, then
+    # earlier lanes of this chunk).
+    row = scratch_ptr + pid * NB
+    tl.store(row + bins, starts + before)
+    tl.debug_barrier()
+    lane = tl.arange(0, CHUNK)
+    offs = chunk_start + lane
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts)
+    rank = tl.reduce(((ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), 1, _ADD)
+    pos = tl.load(row + ids) + rank
+    tl.store(sorted_token_ids_ptr + pos, offs.to(tl.int32), mask=ids < num_experts)
+
+    if pid == 0:
+        total = tl.reduce(padded, 0, _ADD)
+        tl.store(num_tokens_post_padded_ptr, total)
+        pad_value = tl.full((NB,), 0, tl.int32) + numel
+        # Each expert's blocks, and the padding after its pairs (fewer than BLOCK_M entries).
+        blocks = padded // BLOCK_M
+        first_block = starts // BLOCK_M
+        for j in range(0, tl.reduce(blocks, 0, _MAX)):
+            tl.store(expert_ids_ptr + first_block + j, bins, mask=j < blocks)
+        for j in range(0, BLOCK_M - 1):
+            tl.store(sorted_token_ids_ptr + starts + counts + j, pad_value, mask=j < padded - counts)
+        # Past the used length: no expert, padding ids.
+        num_blocks = max_padded // BLOCK_M
+        for start in range(total // BLOCK_M, num_blocks, HCHUNK):
+            b = start + tl.arange(0, HCHUNK)
+            tl.store(expert_ids_ptr + b, tl.full((HCHUNK,), -1, tl.int32), mask=b < num_blocks)
+        for start in range(total, max_padded, HCHUNK):
+            p = start + tl.arange(0, HCHUNK)
+            tl.store(sorted_token_ids_ptr + p, tl.full((HCHUNK,), 0, tl.int32) + numel, mask=p < max_padded)
 
 
 @triton.jit
@@ -191,33 +368,76 @@ _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.
 
 
 def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_ids, expert_ids,
-                           num_tokens_post_padded, *, top_k, mul_routed_weight, config):
+                           num_tokens_post_padded, *, top_k, mul_routed_weight, config, split_k=1):
     """Launch ``fused_moe_w8a16_kernel`` over every block of ``sorted_token_ids``.
 
-    a [rows, K] act dtype; b int8 [E, N, K]; c [num_pairs, N] act dtype (written only at real pairs);
-    b_scale fp32 [E, N]; b_bias fp32 [E, N] or None; topk_weights fp32 [num_pairs] (or None when not multiplied);
-    sorted_token_ids / expert_ids / num_tokens_post_padded int32 from ``moe_align_block_size`` with
-    ``config["BLOCK_SIZE_M"]``; ``top_k``: pairs per row of ``a`` (the router's top_k for GEMM1, 1 for GEMM2).
+    a [rows, K] act dtype; b int8 [E, N, K]; c [num_pairs, N] act dtype when ``split_k`` is 1, else fp32
+    [split_k, num_pairs, N] (split s holds the partial sum over its K blocks, scaled and router-weighted, the bias in
+    split 0 only); c is written only at real pairs. b_scale fp32 [E, N]; b_bias fp32 [E, N] or None; topk_weights
+    fp32 [num_pairs] (or None when not multiplied); sorted_token_ids / expert_ids / num_tokens_post_padded int32 from
+    ``moe_align_block_size`` with ``config["BLOCK_SIZE_M"]``; ``top_k``: pairs per row of ``a`` (the router's top_k
+    for GEMM1, 1 for GEMM2); ``config["SWAP_AB"]`` (default False) computes each tile transposed.
     """
-    num_pairs, n = c.shape
     k_dim = a.shape[1]
+    c3 = c if c.dim() == 3 else c.unsqueeze(0)
+    if c3.shape[0] != split_k:
+        raise ValueError(f"c: expected {split_k} split(s) in dim 0, got shape {tuple(c.shape)}")
+    _, num_pairs, n = c3.shape
     em = sorted_token_ids.shape[0]
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
-    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
+    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn), split_k)
     kernel = _kernel_for(fused_moe_w8a16_kernel, a.device)
     has_bias = b_bias is not None
     bias = b_bias if has_bias else b_scale  # a valid dummy pointer; never read
     weights = topk_weights if mul_routed_weight else b_scale
     kernel[grid](
-        a, b, c, b_scale, bias, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        a, b, c3, b_scale, bias, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k_dim, em, num_pairs,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c3.stride(0), c3.stride(1), c3.stride(2),
         b_scale.stride(0), b_scale.stride(1), bias.stride(0), bias.stride(1),
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"], EVEN_K=k_dim % bk == 0,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"], SPLIT_K=split_k,
+        SWAP_AB=bool(config.get("SWAP_AB", False)), EVEN_K=k_dim % bk == 0,
         TOP_K=top_k, MUL_ROUTED_WEIGHT=bool(mul_routed_weight), HAS_BIAS=has_bias,
         compute_type=_COMPUTE_TYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
+
+
+def invoke_moe_sum(x, out, top_k):
+    """Launch ``moe_sum_kernel``: x [num_pairs, N] act dtype or [S, num_pairs, N] fp32 split-K partials ->
+    out [num_pairs // top_k, N] act dtype, the sum over each token's top_k slots (in slot order, fp32), each pair
+    rounded to the activation dtype first (after summing its S partials in order)."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    splits, _, n = x3.shape
+    block = min(1024, triton.next_power_of_2(max(n, 16)))
+    grid = (out.shape[0], triton.cdiv(n, block))
+    kernel = _kernel_for(moe_sum_kernel, x.device)
+    kernel[grid](x3, out, n, x3.stride(0), x3.stride(1), out.stride(0), TOP_K=top_k, SPLITS=splits, BLOCK=block,
+                 num_warps=4 if block >= 512 else 2)
+
+
+ALIGN_CHUNK = 128
+"""Pairs placed by one program of ``moe_align_kernel``."""
+
+
+def invoke_moe_align(topk_ids, block_size, num_experts, max_padded):
+    """One launch of ``moe_align_kernel``: ``moe_align_block_size``'s three outputs for ``topk_ids`` (any shape,
+    int32 / int64), computed on the device without synchronising (``max_padded`` is the caller's bound).
+
+    Ids outside [0, num_experts) are left out of every group (their pairs are never computed)."""
+    flat = topk_ids.reshape(-1)
+    numel = flat.numel()
+    device = flat.device
+    nb = triton.next_power_of_2(num_experts + 1)
+    programs = max(1, triton.cdiv(numel, ALIGN_CHUNK))
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_size, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    scratch = torch.empty(programs, nb, dtype=torch.int32, device=device)
+    kernel = _kernel_for(moe_align_kernel, device)
+    kernel[(programs,)](flat, sorted_ids, expert_ids, num_post, scratch, numel, num_experts, max_padded,
+                        BLOCK_M=block_size, NB=nb, CHUNK=ALIGN_CHUNK, HCHUNK=1024, num_warps=4)
+    return sorted_ids, expert_ids, num_post
 
 
 def invoke_act_and_mul(x, out, activation_id, *, alpha=1.702, limit=7.0, block=None):

@@ -364,12 +364,21 @@ def _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
 # Triton backend: token sort, block sizes, the pipeline.
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+def _max_padded(numel: int, block_size: int, num_experts: int) -> int:
+    """moe_align_block_size's bound on the padded length (see its docstring)."""
+    bound = min(numel + num_experts * (block_size - 1), numel * block_size)
+    return -(-bound // block_size) * block_size
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, *, backend: str = "auto"):
     """Sort the T*top_k (token, slot) pairs by expert and pad each expert's group to a multiple of ``block_size``.
 
     Pair p = t * top_k + k (row-major in ``topk_ids``). The result has the layout of vLLM's ``moe_align_block_size``
-    and is computed with torch ops that never synchronise with the device (so the call can be captured in a CUDA
-    graph).
+    and never synchronises with the device (so the call can be captured in a CUDA graph). ``backend`` as
+    ``select_backend``: ``"triton"`` is one launch of ``moe_align_kernel`` (what the Triton pipeline runs; on CUDA
+    the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
+    [0, num_experts). An id outside that range: the triton backend leaves its pair out of every group, the torch
+    backend raises (CPU) or makes a device-side index error (CUDA).
 
     Returns:
         sorted_token_ids: int32 [max_padded], the pair ids grouped by expert (ascending expert, and ascending pair id
@@ -383,7 +392,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     blocks, which is at most c and at most c / block_size + 1).
 
     Raises:
-        ValueError: ``topk_ids`` not integer, ``block_size`` < 1 or ``num_experts`` < 1.
+        ValueError: ``topk_ids`` not integer, ``block_size`` < 1 or ``num_experts`` < 1, or a ``backend`` that
+            cannot run here (see ``select_backend``).
     """
     if topk_ids.dtype not in _ID_DTYPES:
         raise ValueError(f"topk_ids: expected dtype int32 or int64, got {topk_ids.dtype}")
@@ -392,10 +402,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if num_experts < 1:
         raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
     device = topk_ids.device
+    numel = topk_ids.numel()
+    max_padded = _max_padded(numel, block_size, num_experts)
+    if select_backend(device, backend) == "triton" and numel > 0:
+        from . import fused_moe_triton as fk
+
+        return fk.invoke_moe_align(topk_ids.contiguous(), block_size, num_experts, max_padded)
     flat = topk_ids.reshape(-1).long()
-    numel = flat.numel()
-    max_padded = min(numel + num_experts * (block_size - 1), numel * block_size)
-    max_padded = -(-max_padded // block_size) * block_size
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
@@ -415,12 +428,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
-_SPARSITY_FACTOR = 4
-"""vLLM's rule (``fused_experts_impl``): with T*top_k*4 <= E, give every pair its own block instead of sorting."""
-
-
 def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
-    """One block per (token, slot) pair, unsorted: the decode shortcut of vLLM's ``fused_experts_impl``.
+    """One block per (token, slot) pair, unsorted: the decode shortcut of vLLM's ``fused_experts_impl`` (used by vLLM
+    when T*top_k*4 <= E; expq's pipeline does not need it, since ``moe_align_block_size``'s Triton backend is one
+    launch whatever the routing).
 
     With few pairs and many experts, almost every pair has an expert of its own, so sorting buys nothing and costs
     kernel launches. Same outputs as ``moe_align_block_size`` (same meaning): sorted_token_ids int32
@@ -453,18 +464,21 @@ def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
 # 1 and 8 pairs per expert; 64x128x64 was the best at 32 (by 16% to 18% over BLOCK_SIZE_M 32), 64 and 128 pairs per
 # expert, and within 5% of the best (128x256x64) at 1024.
 _CONFIG_TABLE = (
-    (16, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4)),
-    (math.inf, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4)),
+    (16, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4,
+              SPLIT_K=1, SWAP_AB=False)),
+    (math.inf, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4,
+                    SPLIT_K=1, SWAP_AB=False)),
 )
 
 # Under the interpreter (CPU) the block shape sets the cost of every numpy op: small tiles, and they exercise masks.
 _INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4,
-                           num_stages=1)
+                           num_stages=1, SPLIT_K=1, SWAP_AB=False)
 
 
 def get_config(num_tokens: int, num_experts: int, top_k: int, device=None, *, hidden_size: int | None = None,
                intermediate_size: int | None = None, dtype=None, tuned: bool = True) -> dict:
-    """Block sizes for ``fused_moe_w8a16_kernel``: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages.
+    """Block sizes for ``fused_moe_w8a16_kernel``: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, SPLIT_K
+    (split-K factor of GEMM2, the down projection; 1 = none) and SWAP_AB (tiles computed transposed, both GEMMs).
 
     With ``hidden_size``, ``intermediate_size`` and ``dtype`` given, a CUDA ``device`` and ``tuned``: the entry of
     the GPU's tuned table (``expq.kernels.tuned``: exact (E, H, I, top_k, dtype), nearest token bucket) when there
@@ -496,8 +510,21 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     """The experts_int8 MoE through the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     Args / shapes / returns / raises: as ``fused_moe_int8``; ``config`` overrides ``get_config``'s block sizes
-    (a dict with BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages).
+    (a dict with BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, and optionally
+    SPLIT_K (default 1) and SWAP_AB (default False); checked by ``expq.kernels.tuned.check_config``, ValueError
+    naming the bad key).
+
+    Launches (no device synchronisation, CUDA-graph capturable): ``moe_align_kernel`` (sort), GEMM1,
+    the activation, GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and ``moe_sum_kernel`` (the top-k sum
+    and the split-K reduction, in a fixed order; skipped when top_k == 1 and SPLIT_K == 1).
     """
+    if config is not None:
+        from . import tuned as _tuned
+
+        try:
+            config = _tuned.check_config(config)
+        except ValueError as e:
+            raise ValueError(f"config: {e}") from None
     t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                                       topk_ids, activation, w13_bias, w2_bias,
                                                       apply_router_weight_on_input)
@@ -530,26 +557,33 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     bias13 = None if w13_bias is None else w13_bias.to(torch.float32).contiguous()
     bias2 = None if w2_bias is None else w2_bias.to(torch.float32).contiguous()
 
-    if num_pairs * _SPARSITY_FACTOR <= e_dim:
-        sorted_ids, expert_ids, num_post = naive_block_assignment(topk_ids, config["BLOCK_SIZE_M"])
-    else:
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_dim)
+    block_m = config["BLOCK_SIZE_M"]
+    split = max(1, min(config.get("SPLIT_K", 1), -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
     cache1 = torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
-    cache3 = torch.empty(num_pairs, h_dim, dtype=dtype, device=device)
+    out = torch.empty(t_dim, h_dim, dtype=dtype, device=device)
+    if split == 1 and top_k == 1:
+        cache3 = out  # GEMM2 writes the result itself
+    elif split == 1:
+        cache3 = torch.empty(num_pairs, h_dim, dtype=dtype, device=device)
+    else:
+        cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
 
     # Triton launches on the current CUDA device: switch only when the tensors live on another one.
     switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
     guard = torch.cuda.device(device) if switch else contextlib.nullcontext()
     with guard:
+        sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids.contiguous(), block_m, e_dim,
+                                                               _max_padded(num_pairs, block_m, e_dim))
         fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, sorted_ids, expert_ids, num_post,
                                   top_k=top_k, mul_routed_weight=False, config=config)
         fk.invoke_act_and_mul(cache1, cache2, _ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
         fk.invoke_fused_moe_w8a16(cache2, w2, cache3, scale2, bias2, flat_w, sorted_ids, expert_ids, num_post,
-                                  top_k=1, mul_routed_weight=not apply_router_weight_on_input, config=config)
-    if top_k == 1:
-        return cache3
-    return cache3.view(t_dim, top_k, h_dim).sum(dim=1, dtype=torch.float32).to(dtype)
+                                  top_k=1, mul_routed_weight=not apply_router_weight_on_input, config=config,
+                                  split_k=split)
+        if cache3 is not out:
+            fk.invoke_moe_sum(cache3, out, top_k)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------------
