@@ -182,6 +182,14 @@ SWEEP_CONFIGS = [
 ]
 
 
+def full_config(cfg) -> dict:
+    """``cfg`` with all the kernel's knobs (``expq.kernels.tuned.CONFIG_KEYS``): SPLIT_K 1 and SWAP_AB False where it
+    leaves them out, so that printed, stored and compared configs always show them."""
+    from expq.kernels import tuned
+
+    return tuned.check_config(cfg)
+
+
 def sweep(names, tokens, dtype, rep):
     """Graph-replay time of fused_moe_triton with each SWEEP_CONFIGS entry whose BLOCK_SIZE_M suits the tokens."""
     from expq.kernels import moe
@@ -203,9 +211,9 @@ def sweep(names, tokens, dtype, rep):
                     results.append((us, cfg))
             us_default = graph_time(lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti), rep)
             results.sort(key=lambda r: r[0])
-            print(f"SWEEP {name} T={t}: default {us_default:.1f} us {default}", flush=True)
+            print(f"SWEEP {name} T={t}: default {us_default:.1f} us {full_config(default)}", flush=True)
             for us, cfg in results[:5]:
-                print(f"SWEEP     {us:.1f} us {cfg}", flush=True)
+                print(f"SWEEP     {us:.1f} us {full_config(cfg)}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
 
@@ -262,8 +270,9 @@ def compare(names, tokens, dtype, rep, md_path, json_path):
                 x, tw, ti = make_routing(t, e, h, top_k, dtype, dev, g)
                 used = int(torch.unique(ti).numel())
                 int8_bytes = used * 3 * i * h
-                cfg_used = moe.get_config(t, e, top_k, dev, hidden_size=h, intermediate_size=i, dtype=dtype)
-                cfg_default = moe.get_config(t, e, top_k, dev, tuned=False)
+                cfg_used = full_config(moe.get_config(t, e, top_k, dev, hidden_size=h, intermediate_size=i,
+                                                      dtype=dtype))
+                cfg_default = full_config(moe.get_config(t, e, top_k, dev, tuned=False))
                 impls = {"expq": lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti, config=cfg_used)}
                 if cfg_used != cfg_default:
                     impls["expq-default"] = lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti,

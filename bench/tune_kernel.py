@@ -1,32 +1,56 @@
 """Tune the block configs of expq's fused-MoE w8a16 kernel on this GPU; write the table get_config reads (issue 13).
 
 Usage (repo root, CUDA machine; PYTHONPATH=. or an install of this checkout):
-    python3 bench/tune_kernel.py --out build/tune --budget-s 500          # the 18 issue-13 points, resumable
-    python3 bench/tune_kernel.py --out build/tune --quick                 # a small search space (a few minutes)
+    python3 bench/tune_kernel.py --out build/tune --budget-s 480          # the 18 issue-13 points, resumable
+    python3 bench/tune_kernel.py --out build/tune --quick                 # a smaller space (a few minutes)
     python3 bench/tune_kernel.py --out build/tune --shapes qwen --tokens 1 8 --dtype float16
     python3 bench/tune_kernel.py --out build/tune --shapes 64,2048,1408,6  # any E,H,I,top_k
+    python3 bench/tune_kernel.py --plan                                   # the space's size only (no GPU)
 
-What it does, per shape (E, H, I, top_k) and token count T (a "point"), with the weights and routing of
-bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
+The knobs (``expq.kernels.tuned.CONFIG_KEYS``): BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, SPLIT_K (the
+split-K factor of GEMM2, the down projection; 1 = none) and SWAP_AB (every tile computed transposed, both GEMMs:
+the dequantized weight tile is the first MMA operand, the tokens the small N dimension). One config applies to
+both GEMMs (the kernel's API). What it does, per shape (E, H, I, top_k) and token count T (a "point"), with the
+weights and routing of bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
 
-1. stage A: every tile (BLOCK_SIZE_M x N x K) of the space whose BLOCK_SIZE_M suits the pairs per expert
-   (T * top_k / E), at num_warps 4 and the deepest num_stages that fits shared memory, plus today's default config;
-2. stage B: the best ``--refine`` tiles of stage A again with every num_warps x num_stages x GROUP_SIZE_M;
+1. stage A, the tiles: every BLOCK_SIZE_M that suits the pairs per expert (T * top_k / E; bench_kernel.py --sweep's
+   rule) x BLOCK_SIZE_N in (64, 128), plus 256 when T >= 1024, x BLOCK_SIZE_K in (64, 128, 256), each with SWAP_AB
+   false and true; num_warps 4, the deepest num_stages <= 4 that fits shared memory, SPLIT_K 1, GROUP_SIZE_M 8 for
+   BLOCK_SIZE_M >= 64 (else 1); plus today's default config (``get_config(..., tuned=False)``);
+2. stage B: the best ``--refine`` (2) (tile, SWAP_AB) of stage A again with num_warps (4, 8) x num_stages (3, 4);
+   then, for decode-sized groups (T * top_k / E <= 16), each of them at its best num_warps / num_stages with
+   SPLIT_K 2, 4 and 8 (those with cdiv(I, BLOCK_SIZE_K) >= SPLIT_K: GEMM2's K is I);
 3. final: the best 3 configs and the default re-timed with ``--final-rep``; the fastest whose output is within the
    kernel tests' bounds of the fp32 ``moe_reference`` (rel <= 8u, worst token <= 16u; u = 2^-8 bf16, 2^-11 fp16)
    is the point's winner.
 
+``--quick``: stage A with one BLOCK_SIZE_K per BLOCK_SIZE_M (128 below 64, else 64: the default run's winners) and N
+in (64, 128), both SWAP_AB; stage B without the num_warps / num_stages sweep (SPLIT_K 2 and 4 of the best tile
+only, decode-sized groups). ``--plan`` prints, without a GPU, the configs of stage A per point and upper bounds of
+stage B's, of the SPLIT_K ones and of the configs compiled per shape.
+
+Cost: the default run of the 18 points (3 shapes x T 1, 8, 32, 128, 1024, 4096, bf16) compiles ~350 configs (those
+of stage A are ~240; a SPLIT_K variant compiles GEMM2 only) and makes ~680 timings (per point 22 to 75 in the
+search, plus 3 or 4 final ones): one device call of at most ~480 s (``--budget-s 480``). Measured on an H200 (16
+cores, 12 compile workers, Triton 3.6, empty Triton cache, 2026-12-01): 354 configs compiled (134 s of the workers'
+wall time), 613 + 63 timings, 194 s in all; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the
+larger part; the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k
+divisible by 16 or not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
+bounds for other shapes and token counts.
+
 Each time is the median of ``triton.testing.do_bench`` replaying the whole pipeline (sort, GEMM1, activation, GEMM2,
-top-k sum) captured in a CUDA graph; do_bench clears L2 before every replay, so weights are read from HBM. One config
-applies to both GEMMs (the kernel's API). Kernels are compiled ahead in ``--jobs`` worker processes (a tiny problem
-with the same H, I, top_k, T and dtype: the same Triton specialisations) into the Triton cache, which the timing
+top-k sum) captured in a CUDA graph; do_bench clears L2 before every replay, so weights are read from HBM. Kernels
+are compiled ahead in ``--jobs`` worker processes (a problem with the same E, H, I, top_k, T and dtype, whose
+weights are one expert's broadcast over E: the same Triton specialisations) into the Triton cache, which the timing
 process then reads; set TRITON_CACHE_DIR to a folder kept between calls (e.g. build/triton-cache) to reuse it.
 
 Outputs in ``--out``: ``<GPU>.raw.json`` (every timing, per point; the resume state) and ``<GPU>.json`` (the table
-of the finished points, ``"measured": true``, the format of ``expq/kernels/tuned.py``; copy it to
-``expq/kernels/configs/`` to ship it). Both are rewritten after every point. A second run skips finished points and
-configs already timed. ``--budget-s``: stop starting work after that many seconds of wall time (from the start of
-the process) and save; the last line says DONE or INCOMPLETE (run again to resume). Progress goes to stderr.
+of the finished points, ``"measured": true``, the format of ``expq/kernels/tuned.py``, all eight keys per entry;
+copy it to ``expq/kernels/configs/`` to ship it). Both are rewritten after every point. A second run skips finished
+points and configs already timed (config ids: ``M16_N64_K128_G1_w4_s4``, with ``_sk4`` / ``_swap`` appended when
+SPLIT_K > 1 / SWAP_AB; a raw file of the earlier space resumes as it is: its finished points stay finished).
+``--budget-s``: stop starting work after that many seconds of wall time (from the start of the process) and save;
+the last line says DONE or INCOMPLETE (run again to resume). Progress goes to stderr.
 
 ``--device cpu`` (tests only): Triton's interpreter (TRITON_INTERPRET=1, float16), wall-clock medians; no CUDA.
 """
@@ -57,16 +81,21 @@ T0 = time.monotonic()
 RAW_FORMAT = "expq-moe-tune-raw/1"
 SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB of shared memory per block; keep a margin
 
-# The search space.
+# The search space (see the module docstring).
 TILE_M = (16, 32, 64, 128)
-TILE_N = (32, 64, 128, 256)
+TILE_N = (64, 128)
+TILE_N_LARGE = (256,)  # only for T >= LARGE_T
+LARGE_T = 1024
 TILE_K = (64, 128, 256)
+SWAPS = (False, True)
+A_WARPS = 4
+A_STAGES = (4, 3, 2)  # stage A: the first (deepest) that fits shared memory
 WARPS = (4, 8)
-STAGES = (2, 3, 4, 5)
-GROUPS = (1, 8)
-QUICK_N = (64, 128)
-QUICK_WARPS = (4, 8)
-QUICK_STAGES = (3, 4)
+STAGES = (3, 4)
+SPLITS = (2, 4, 8)
+SPLIT_MAX_PER_EXPERT = 16  # SPLIT_K is tried only for T * top_k / E <= this (decode-sized groups)
+QUICK_K = {16: (128,), 32: (128,), 64: (64,), 128: (64,)}  # --quick: one BLOCK_SIZE_K per BLOCK_SIZE_M
+QUICK_SPLITS = (2, 4)
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
@@ -76,17 +105,31 @@ def log(msg):
 
 
 def cfg_id(c) -> str:
+    """``M16_N64_K128_G1_w4_s4``, plus ``_sk<SPLIT_K>`` when SPLIT_K > 1 and ``_swap`` with SWAP_AB (a config without
+    these keys has the id of SPLIT_K 1, SWAP_AB false: the ids of the earlier tuner, whose raw files resume)."""
+    sk, swap = c.get("SPLIT_K", 1), c.get("SWAP_AB", False)
     return (f"M{c['BLOCK_SIZE_M']}_N{c['BLOCK_SIZE_N']}_K{c['BLOCK_SIZE_K']}_G{c['GROUP_SIZE_M']}"
-            f"_w{c['num_warps']}_s{c['num_stages']}")
+            f"_w{c['num_warps']}_s{c['num_stages']}" + (f"_sk{sk}" if sk != 1 else "") + ("_swap" if swap else ""))
 
 
-def make_cfg(m, n, k, g, w, s) -> dict:
-    return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
+def make_cfg(m, n, k, g, w, s, sk=1, swap=False) -> dict:
+    return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g, num_warps=w, num_stages=s,
+                SPLIT_K=sk, SWAP_AB=bool(swap))
+
+
+def tile_of(c) -> tuple:
+    """(BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, SWAP_AB): what stage A ranks."""
+    return c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"], bool(c.get("SWAP_AB", False))
 
 
 def smem(m, n, k, s) -> int:
-    """Shared memory of the software pipeline: per stage an A tile (16-bit) and a B tile (int8)."""
+    """Shared memory of the software pipeline: per stage an A tile (16-bit) and a B tile (int8); the same bytes with
+    SWAP_AB (the tiles are only used transposed)."""
     return s * (m * k * 2 + k * n)
+
+
+def group_m(m) -> int:
+    return 8 if m >= 64 else 1
 
 
 def m_allowed(m, per_expert) -> bool:
@@ -94,29 +137,91 @@ def m_allowed(m, per_expert) -> bool:
     return not (m > max(16, 2 * per_expert) or m < min(64, per_expert / 4))
 
 
-def stage_a(per_expert, quick) -> list[dict]:
+def stage_a(per_expert, tokens, quick) -> list[dict]:
+    """The tiles (BLOCK_SIZE_M x N x K) x SWAP_AB at num_warps 4, the deepest stages that fit, SPLIT_K 1."""
     out = []
+    ns = TILE_N + (TILE_N_LARGE if tokens >= LARGE_T and not quick else ())
     for m in TILE_M:
         if not m_allowed(m, per_expert):
             continue
-        for n in (QUICK_N if quick else TILE_N):
-            for k in TILE_K:
-                s = next((s for s in (4, 3, 2) if smem(m, n, k, s) <= SMEM_BYTES), None)
-                if s is not None:
-                    out.append(make_cfg(m, n, k, 8 if m >= 64 else 1, 4, s))
+        for n in ns:
+            for k in (QUICK_K[m] if quick else TILE_K):
+                s = next((s for s in A_STAGES if smem(m, n, k, s) <= SMEM_BYTES), None)
+                if s is None:
+                    continue
+                for swap in SWAPS:
+                    out.append(make_cfg(m, n, k, group_m(m), A_WARPS, s, 1, swap))
     return out
 
 
 def stage_b(tiles, quick) -> list[dict]:
+    """num_warps x num_stages of each (BLOCK_SIZE_M, N, K, SWAP_AB) in ``tiles`` (none with ``quick``)."""
+    if quick:
+        return []
     out = []
-    for m, n, k in tiles:
-        for w in (QUICK_WARPS if quick else WARPS):
-            for s in (QUICK_STAGES if quick else STAGES):
-                if smem(m, n, k, s) > SMEM_BYTES:
-                    continue
-                for g in ((8 if m >= 64 else 1,) if quick else GROUPS):
-                    out.append(make_cfg(m, n, k, g, w, s))
+    for m, n, k, swap in tiles:
+        for w in WARPS:
+            for s in STAGES:
+                if smem(m, n, k, s) <= SMEM_BYTES:
+                    out.append(make_cfg(m, n, k, group_m(m), w, s, 1, swap))
     return out
+
+
+def split_allowed(per_expert) -> bool:
+    return per_expert <= SPLIT_MAX_PER_EXPERT
+
+
+def stage_split(best, intermediate_size, quick) -> list[dict]:
+    """``best`` (configs of SPLIT_K 1) with each SPLIT_K > 1 that GEMM2 (K = intermediate_size) can use:
+    cdiv(I, BLOCK_SIZE_K) >= SPLIT_K (the kernel clamps a larger one: the same kernel again)."""
+    out = []
+    for c in best:
+        for sk in (QUICK_SPLITS if quick else SPLITS):
+            if -(-intermediate_size // c["BLOCK_SIZE_K"]) >= sk:
+                out.append(dict(c, SPLIT_K=sk))
+    return out
+
+
+def _spec(tokens, top_k) -> tuple:
+    """The Triton specialisations that differ between the points of a shape: T * top_k divisible by 16, == 1."""
+    return (tokens * top_k) % 16 == 0, tokens * top_k == 1
+
+
+def plan(shapes, tokens, quick, refine, default_of=None) -> dict:
+    """The size of the search, without timing anything: per point the configs of stage A (exact, the default
+    included), at most how many stage B and SPLIT_K add, and per shape at most how many configs are compiled (stage
+    A's distinct ids per Triton specialisation, plus the stage-B / SPLIT_K bounds, which differ per point since they
+    follow stage A's ranking). ``default_of(t, e, top_k)``: the default config (``get_config``'s) of a point."""
+    if default_of is None:
+        def default_of(t, e, top_k):
+            return moe.get_config(t, e, top_k, "cuda", tuned=False)
+    points, shapes_out = [], {}
+    for name, (e, h, i, top_k) in shapes:
+        compiled: dict = {}
+        extra_b = extra_sk = 0
+        for t in tokens:
+            per_expert = t * top_k / e
+            a = {cfg_id(c): c for c in stage_a(per_expert, t, quick)}
+            a.setdefault(cfg_id(default_of(t, e, top_k)), default_of(t, e, top_k))
+            tiles = sorted({tile_of(c) for c in a.values()},
+                           key=lambda tl: -len({cfg_id(c) for c in stage_b([tl], quick)} - set(a)))[:refine]
+            b = len({cfg_id(c) for c in stage_b(tiles, quick)} - set(a))
+            sk = 0
+            if split_allowed(per_expert):
+                best = [make_cfg(tl[0], tl[1], tl[2], 1, 4, 4, 1, tl[3]) for tl in tiles]
+                sk = len(stage_split(best, i, quick))
+            compiled.setdefault(_spec(t, top_k), set()).update(a)
+            extra_b += b
+            extra_sk += sk
+            points.append(dict(shape=name, tokens=t, per_expert=per_expert, stage_a=len(a), stage_b_max=b,
+                               split_k_max=sk, final_max=4))
+        shapes_out[name] = dict(compiled_a=sum(len(v) for v in compiled.values()), compiled_b_max=extra_b,
+                                compiled_split_k_max=extra_sk)
+    timings = sum(p["stage_a"] + p["stage_b_max"] + p["split_k_max"] for p in points)
+    return dict(points=points, shapes=shapes_out, search_timings_max=timings,
+                final_timings_max=4 * len(points),
+                compiled_max=sum(v["compiled_a"] + v["compiled_b_max"] for v in shapes_out.values()),
+                compiled_split_k_max=sum(v["compiled_split_k_max"] for v in shapes_out.values()))
 
 
 def parse_shapes(specs) -> list[tuple[str, tuple]]:
@@ -133,18 +238,30 @@ def parse_shapes(specs) -> list[tuple[str, tuple]]:
     return out
 
 
+def print_plan(pl) -> None:
+    for q in pl["points"]:
+        print(f"{q['shape']} T={q['tokens']} (pairs/expert {q['per_expert']:g}): stage A {q['stage_a']}, "
+              f"stage B <= {q['stage_b_max']}, SPLIT_K <= {q['split_k_max']}, final <= {q['final_max']}")
+    for name, v in pl["shapes"].items():
+        print(f"{name}: compiled: stage A {v['compiled_a']}, stage B <= {v['compiled_b_max']}, "
+              f"SPLIT_K (GEMM2 only) <= {v['compiled_split_k_max']}")
+    print(f"total: {pl['search_timings_max']} search timings and {pl['final_timings_max']} final ones at most; "
+          f"{pl['compiled_max']} configs compiled + {pl['compiled_split_k_max']} SPLIT_K variants at most")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Ahead-of-time compilation in worker processes (fills the Triton cache).
 
 
-def _compile_one(h, i, top_k, t, dtype_name, cfg):
-    """Run the pipeline once with ``cfg`` on a problem of few experts with the timing problem's H, I, top_k, T and
-    dtype (Triton specialises on these, not on E). Returns (cfg id, error or None)."""
+def _compile_one(e, h, i, top_k, t, dtype_name, cfg):
+    """Run the pipeline once with ``cfg`` on a problem with the timing problem's E, H, I, top_k, T and dtype (the
+    Triton specialisations of every kernel, the sort's included) whose weights are one expert's, broadcast over E
+    (stride 0: specialised as the real stride, divisible by 16; little memory per worker). Returns (cfg id, error or
+    None)."""
     try:
         dtype = getattr(torch, dtype_name)
-        e = max(top_k, 8)
-        w13 = torch.zeros(e, 2 * i, h, dtype=torch.int8, device="cuda")
-        w2 = torch.zeros(e, h, i, dtype=torch.int8, device="cuda")
+        w13 = torch.zeros(1, 2 * i, h, dtype=torch.int8, device="cuda").expand(e, 2 * i, h)
+        w2 = torch.zeros(1, h, i, dtype=torch.int8, device="cuda").expand(e, h, i)
         s13 = torch.ones(e, 2 * i, device="cuda")
         s2 = torch.ones(e, h, device="cuda")
         x = torch.zeros(t, h, dtype=dtype, device="cuda")
@@ -162,13 +279,14 @@ class Compiler:
         self.jobs = jobs
         self.pool = None
         self.done: set = set()
+        self.compiled = 0
 
-    def warm(self, h, i, top_k, t, dtype_name, cfgs, deadline):
-        """Compile the configs not compiled yet for this (H, I, top_k, T-specialisation); stop at ``deadline``."""
+    def warm(self, e, h, i, top_k, t, dtype_name, cfgs, deadline):
+        """Compile the configs not compiled yet for this (E, H, I, top_k, T-specialisation); stop at ``deadline``."""
         if self.jobs <= 0:
             return
-        spec = (t * top_k) % 16 == 0, t * top_k == 1
-        todo = [c for c in cfgs if (h, i, top_k, spec, dtype_name, cfg_id(c)) not in self.done]
+        spec = _spec(t, top_k)
+        todo = [c for c in cfgs if (e, h, i, top_k, spec, dtype_name, cfg_id(c)) not in self.done]
         if not todo:
             return
         if self.pool is None:
@@ -176,12 +294,13 @@ class Compiler:
 
             self.pool = cf.ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
         t1 = time.monotonic()
-        futs = [self.pool.submit(_compile_one, h, i, top_k, t, dtype_name, c) for c in todo]
+        futs = [self.pool.submit(_compile_one, e, h, i, top_k, t, dtype_name, c) for c in todo]
         failed = 0
         try:
             for f in cf.as_completed(futs, timeout=max(1.0, deadline - time.monotonic())):
                 cid, err = f.result()
-                self.done.add((h, i, top_k, spec, dtype_name, cid))
+                self.done.add((e, h, i, top_k, spec, dtype_name, cid))
+                self.compiled += 1
                 failed += err is not None
         except cf.TimeoutError:
             for f in futs:
@@ -238,7 +357,7 @@ def build_table(raw) -> dict:
     shapes: dict = {}
     for p in raw["points"].values():
         if p.get("done") and p.get("winner"):
-            shapes.setdefault(p["key"], {})[str(p["tokens"])] = p["winner"]
+            shapes.setdefault(p["key"], {})[str(p["tokens"])] = tuned.check_config(p["winner"])  # all eight keys
     for k in shapes:
         shapes[k] = dict(sorted(shapes[k].items(), key=lambda kv: int(kv[0])))
     return dict(format=tuned.FORMAT, measured=True, gpu=raw["gpu"],
@@ -257,14 +376,20 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default="build/tune", help="folder of the table and the raw results (resume state)")
     ap.add_argument("--budget-s", type=float, default=math.inf, help="stop starting work after this wall time")
-    ap.add_argument("--quick", action="store_true", help="small space: N in (64, 128), 1 refined tile, 2x2 knobs")
-    ap.add_argument("--refine", type=int, default=3, help="stage-A tiles refined in stage B (quick: 1)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller space: one BLOCK_SIZE_K per BLOCK_SIZE_M, 1 refined tile, no num_warps x num_stages")
+    ap.add_argument("--refine", type=int, default=2, help="stage-A (tile, SWAP_AB) refined in stage B (quick: 1)")
     ap.add_argument("--rep", type=int, default=20, help="do_bench rep (ms) of the search")
     ap.add_argument("--final-rep", type=int, default=100, help="do_bench rep (ms) of the final re-timing")
     ap.add_argument("--jobs", type=int, default=None, help="compile workers (default: CPU cores - 2, at most 12)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--space", default=None, help=argparse.SUPPRESS)  # tests: JSON list of configs, stage A only
+    ap.add_argument("--plan", action="store_true", help="print the size of the search (no GPU needed) and exit")
     a = ap.parse_args()
+    refine = 1 if a.quick and a.refine == 2 else a.refine
+    if a.plan:
+        print_plan(plan(parse_shapes(a.shapes), a.tokens, a.quick, refine))
+        return
 
     dev = a.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -272,7 +397,6 @@ def main():
     dtype = getattr(torch, a.dtype) if dev == "cuda" else torch.float16
     dtype_name = str(dtype).removeprefix("torch.")
     deadline = T0 + a.budget_s
-    refine = 1 if a.quick and a.refine == 3 else a.refine
     jobs = (min(12, max(0, (os.cpu_count() or 2) - 2)) if a.jobs is None else a.jobs) if dev == "cuda" else 0
     gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu-interpreter"
     out = Path(a.out)
@@ -281,8 +405,10 @@ def main():
     raw_path, table_path = out / f"{norm}.raw.json", out / f"{norm}.json"
     meta = dict(tuner="bench/tune_kernel.py", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, started=time.strftime("%Y-%m-%dT%H:%M:%S"), quick=a.quick,
-                rep_ms=a.rep, final_rep_ms=a.final_rep, timing="do_bench median of CUDA-graph replays, L2 cleared"
-                if dev == "cuda" else "wall clock, interpreter")
+                space="tiles x SWAP_AB; best (tile, SWAP_AB) x num_warps x num_stages; SPLIT_K where decode-sized",
+                refine=refine, rep_ms=a.rep, final_rep_ms=a.final_rep,
+                timing="do_bench median of CUDA-graph replays, L2 cleared" if dev == "cuda"
+                else "wall clock, interpreter")
     raw = json.loads(raw_path.read_text()) if raw_path.exists() else dict(format=RAW_FORMAT, gpu=gpu, meta=meta,
                                                                           points={})
     if raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
@@ -296,6 +422,7 @@ def main():
         f"{len(points) - len(todo)} already done; budget {a.budget_s:.0f}s; compile workers {jobs}")
     compiler = Compiler(jobs)
     stopped = False
+    counts = dict(timed=0)
 
     def save():
         raw["meta"]["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -327,8 +454,9 @@ def main():
 
                 def measure(cfgs, rep, store):
                     """Time the configs not in ``store`` yet; False when the budget ran out."""
-                    cfgs = [c for c in cfgs if cfg_id(c) not in store and cfg_id(c) not in p["errors"]]
-                    compiler.warm(h, i, top_k, t, dtype_name, cfgs, deadline)
+                    cfgs = list({cfg_id(c): c for c in cfgs if cfg_id(c) not in store and cfg_id(c) not in p["errors"]}
+                                .values())
+                    compiler.warm(e, h, i, top_k, t, dtype_name, cfgs, deadline)
                     for c in cfgs:
                         if time.monotonic() > deadline:
                             return False
@@ -343,24 +471,36 @@ def main():
                             p["errors"][cfg_id(c)] = "graph capture failed"
                         else:
                             store[cfg_id(c)] = dict(cfg=c, us=us)
+                        counts["timed"] += 1
                     return True
 
-                all_cfgs = {cfg_id(c): c for c in (space if space is not None else stage_a(per_expert, a.quick))}
+                t_point = time.monotonic()
+                all_cfgs = {cfg_id(c): c for c in (space if space is not None else stage_a(per_expert, t, a.quick))}
                 all_cfgs.setdefault(cfg_id(default), default)
                 if not measure(list(all_cfgs.values()), a.rep, p["timings"]):
                     stopped = True
                     break
                 if space is None:
-                    ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
+                    # Stage B: the best (tile, SWAP_AB) of stage A (its configs only: the same on a resume).
+                    ranked = sorted((p["timings"][k] for k in all_cfgs if k in p["timings"]), key=lambda r: r["us"])
                     tiles = []
                     for r in ranked:
-                        c = r["cfg"]
-                        tile = (c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"])
-                        if tile not in tiles:
-                            tiles.append(tile)
-                    if not measure(stage_b(tiles[:refine], a.quick), a.rep, p["timings"]):
+                        if tile_of(r["cfg"]) not in tiles and r["cfg"].get("SPLIT_K", 1) == 1:
+                            tiles.append(tile_of(r["cfg"]))
+                    tiles = tiles[:refine]
+                    if not measure(stage_b(tiles, a.quick), a.rep, p["timings"]):
                         stopped = True
                         break
+                    if split_allowed(per_expert):
+                        best = []
+                        for tile in tiles:
+                            rows = [r for r in p["timings"].values()
+                                    if tile_of(r["cfg"]) == tile and r["cfg"].get("SPLIT_K", 1) == 1]
+                            if rows:
+                                best.append(tuned.check_config(min(rows, key=lambda r: r["us"])["cfg"]))
+                        if not measure(stage_split(best, i, a.quick), a.rep, p["timings"]):
+                            stopped = True
+                            break
                 # Final: the best 3 and the default, re-timed longer; the fastest that passes the check wins.
                 ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
                 finalists = {cfg_id(r["cfg"]): r["cfg"] for r in ranked[:3]}
@@ -391,7 +531,7 @@ def main():
                     sp = p["default_us"] / winner["us"] if p["default_us"] else float("nan")
                     log(f"{name} T={t}: {cfg_id(winner['cfg'])} {winner['us']:.1f} us; default "
                         f"{cfg_id(default)} {p['default_us'] or float('nan'):.1f} us ({sp:.2f}x); "
-                        f"{len(p['timings'])} timed, {len(p['errors'])} failed")
+                        f"{len(p['timings'])} timed, {len(p['errors'])} failed; {time.monotonic() - t_point:.0f}s")
                 save()
             del w13, w2, s13, s2
             if dev == "cuda":
@@ -402,10 +542,13 @@ def main():
     left = [1 for n, s, t in points
             if not raw["points"].get(f"{tuned.shape_key(*s[:3], s[3], dtype)}|T={t}", {}).get("done")]
     print(f"wrote {table_path} and {raw_path}")
+    stats = (f"{compiler.compiled} configs compiled ahead, {counts['timed']} timings, "
+             f"{time.monotonic() - T0:.0f}s")
     if left:
-        print(f"INCOMPLETE: {len(left)} of {len(points)} points left (budget); run the same command again to resume")
+        print(f"INCOMPLETE: {len(left)} of {len(points)} points left (budget); run the same command again to resume "
+              f"({stats})")
     else:
-        print(f"DONE: {len(points)} points")
+        print(f"DONE: {len(points)} points ({stats})")
 
 
 if __name__ == "__main__":
