@@ -1,9 +1,12 @@
 """CPU tests of the tuned-config tables of the fused-MoE kernel (expq.kernels.tuned, get_config).
 
 No GPU here: the running GPU's name is faked (``tuned._GPU_NAMES``) and tables are written to a temporary directory
-given by ``EXPQ_KERNEL_CONFIGS``. What is checked: an exact entry is used; the nearest token bucket is chosen (ties
+given by ``EXPQ_KERNEL_CONFIGS`` (the package's own directory hidden). What is checked: an exact entry is used; the nearest token bucket is chosen (ties
 to the smaller); an unknown GPU, an unknown shape, another dtype, CPU, ``tuned=False``, ``off``, a file not marked
-measured and a malformed file all give today's default bit for bit; no table file is shipped in the package.
+measured and a malformed file all give today's default bit for bit; entries may set SPLIT_K / SWAP_AB or leave them
+out (1 / False); the shipped H200 table is whole, valid and used on an H200 only. Configs are compared through ``tuned.check_config`` (all
+eight keys) wherever the built-in defaults are involved, so the tests do not depend on whether ``_CONFIG_TABLE``
+spells out SPLIT_K and SWAP_AB.
 """
 
 from __future__ import annotations
@@ -22,14 +25,23 @@ SHAPE = dict(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8)
 CFG_A = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, GROUP_SIZE_M=1, num_warps=8, num_stages=3)
 CFG_B = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, num_warps=4, num_stages=5)
 CFG_C = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+CFG_D = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4,
+             SPLIT_K=4, SWAP_AB=True)
+NEW_KEYS = dict(SPLIT_K=1, SWAP_AB=False)
 
 
-def default_config(t, e, top_k):
-    """Today's rule, written out independently of get_config: _CONFIG_TABLE by pairs per expert."""
+def full(cfg):
+    """A 6-key config as get_config / lookup return it: with SPLIT_K 1 and SWAP_AB False."""
+    return {**cfg, **{k: v for k, v in NEW_KEYS.items() if k not in cfg}}
+
+
+def default_config(t, e, top_k, raw=False):
+    """Today's rule, written out independently of get_config: _CONFIG_TABLE by pairs per expert (through
+    check_config, unless ``raw``: the table's dict as it is)."""
     per_expert = t * top_k / e
     for limit, cfg in moe_mod._CONFIG_TABLE:
         if per_expert <= limit:
-            return dict(cfg)
+            return dict(cfg) if raw else tuned.check_config(cfg)
     raise AssertionError
 
 
@@ -38,6 +50,10 @@ def gpu(tmp_path, monkeypatch):
     """A fake CUDA GPU named 'NVIDIA H200' with a table directory tmp_path; returns a writer of its table."""
     monkeypatch.setattr(tuned, "_GPU_NAMES", {None: "NVIDIA H200", 0: "NVIDIA H200", 1: "Other GPU"})
     monkeypatch.setenv(tuned.ENV, str(tmp_path))
+    # the package's own tables (the shipped NVIDIA_H200.json) are searched after EXPQ_KERNEL_CONFIGS: hide them
+    empty = tmp_path / "package-configs"
+    empty.mkdir()
+    monkeypatch.setattr(tuned, "CONFIG_DIR", empty)
     tuned.clear_cache()
 
     def write(shapes, measured=True, name="NVIDIA_H200", fmt=tuned.FORMAT, raw=None):
@@ -50,9 +66,18 @@ def gpu(tmp_path, monkeypatch):
     tuned.clear_cache()
 
 
-def call(t, device="cuda", dtype=torch.bfloat16, **kw):
+def raw_call(t, device="cuda", dtype=torch.bfloat16, **kw):
     return moe_mod.get_config(t, SHAPE["num_experts"], SHAPE["top_k"], device, hidden_size=SHAPE["hidden_size"],
                               intermediate_size=SHAPE["intermediate_size"], dtype=dtype, **kw)
+
+
+def call(t, device="cuda", dtype=torch.bfloat16, **kw):
+    """get_config's answer through check_config (all eight keys, a built-in default with or without the new two)."""
+    return tuned.check_config(raw_call(t, device, dtype, **kw))
+
+
+def get_config(*args, **kw):
+    return tuned.check_config(moe_mod.get_config(*args, **kw))
 
 
 KEY = tuned.shape_key(128, 2048, 768, 8, torch.bfloat16)
@@ -66,25 +91,62 @@ def test_names():
     assert tuned.shape_key(128, 2048, 768, 8, "bfloat16") == KEY
 
 
-def test_no_table_is_shipped():
-    """Nothing measured yet: the package holds no table, so every GPU gets the default."""
-    assert not list(tuned.CONFIG_DIR.glob("*.json"))
+ISSUE13_SHAPES = {(8, 4096, 14336, 2), (128, 2048, 768, 8), (256, 7168, 2048, 8)}
+
+
+def test_shipped_h200_table(monkeypatch):
+    """The committed table (bench/tune_kernel.py on one H200, docs/benchmarks.md): readable as a whole, marked
+    measured, one entry per issue-13 point (3 shapes x 6 token buckets, bf16), each a valid config; and get_config
+    on an H200 returns its entries (the built-in default elsewhere)."""
+    path = tuned.CONFIG_DIR / "NVIDIA_H200.json"
+    data = json.loads(path.read_text())
+    assert data["measured"] is True and data["gpu"] == "NVIDIA H200"
+    assert data["meta"]["tuner"] == "bench/tune_kernel.py" and data["meta"]["triton"]
+    monkeypatch.delenv(tuned.ENV, raising=False)
+    monkeypatch.setattr(tuned, "_GPU_NAMES", {None: "NVIDIA H200", 0: "NVIDIA H200", 1: "Other GPU"})
+    tuned.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = tuned.load_table("NVIDIA H200")
+    shapes = {tuple(int(f.split("=")[1]) for f in k.split(",")[:4]) for k in table}
+    assert shapes == ISSUE13_SHAPES
+    for key, rows in table.items():
+        assert key.endswith("dtype=bfloat16") and [b for b, _ in rows] == [1, 8, 32, 128, 1024, 4096]
+    e, h, i, k = 8, 4096, 14336, 2
+    entry = data["shapes"][tuned.shape_key(e, h, i, k, torch.bfloat16)]["1"]
+    got = moe_mod.get_config(1, e, k, "cuda", hidden_size=h, intermediate_size=i, dtype=torch.bfloat16)
+    assert got == tuned.check_config(entry)
+    other = moe_mod.get_config(1, e, k, "cuda:1", hidden_size=h, intermediate_size=i, dtype=torch.bfloat16)
+    assert tuned.check_config(other) == tuned.check_config(default_config(1, e, k))
+    tuned.clear_cache()
     assert (tuned.CONFIG_DIR / "README.md").is_file()
 
 
 def test_exact_entry_and_buckets(gpu):
     gpu({KEY: {"1": CFG_A, "32": CFG_B, "1024": CFG_C}})
-    assert call(1) == CFG_A
-    assert call(16) == CFG_A  # |16-1| = 15 < |16-32| = 16
-    assert call(17) == CFG_B  # 16 vs 15
-    assert call(528) == CFG_B  # |528-32| = 496 == |528-1024| = 496: tie to the smaller bucket
-    assert call(529) == CFG_C
-    assert call(100000) == CFG_C
-    out = call(1)
+    assert raw_call(1) == full(CFG_A)  # a table entry: all eight keys, whatever the default table holds
+    assert raw_call(16) == full(CFG_A)  # |16-1| = 15 < |16-32| = 16
+    assert raw_call(17) == full(CFG_B)  # 16 vs 15
+    assert raw_call(528) == full(CFG_B)  # |528-32| = 496 == |528-1024| = 496: tie to the smaller bucket
+    assert raw_call(529) == full(CFG_C)
+    assert raw_call(100000) == full(CFG_C)
+    assert list(raw_call(1)) == list(tuned.CONFIG_KEYS)
+    out = raw_call(1)
     out["BLOCK_SIZE_M"] = 999  # a new dict each time
-    assert call(1) == CFG_A
+    assert raw_call(1) == full(CFG_A)
     # through the pipeline's call site: the same keyword arguments
-    assert call(1, device="cuda:0") == CFG_A
+    assert raw_call(1, device="cuda:0") == full(CFG_A)
+
+
+def test_split_k_and_swap_ab_entries(gpu):
+    """An entry with SPLIT_K / SWAP_AB is returned as written (JSON true -> True); one without them (a table written
+    before the kernel had them) gets 1 / False."""
+    gpu({KEY: {"1": CFG_D, "32": CFG_B, "1024": {**CFG_C, "SWAP_AB": False, "SPLIT_K": 16}}})
+    got = raw_call(1)
+    assert got == CFG_D and got["SPLIT_K"] == 4 and got["SWAP_AB"] is True
+    got = raw_call(32)
+    assert got == {**CFG_B, "SPLIT_K": 1, "SWAP_AB": False} and got["SWAP_AB"] is False
+    assert raw_call(4096) == {**CFG_C, "SPLIT_K": 16, "SWAP_AB": False}
 
 
 @pytest.mark.parametrize("t", [1, 8, 32, 128, 1024, 4096, 3])
@@ -94,17 +156,18 @@ def test_fallbacks_are_todays_default(gpu, t):
     want = default_config(t, e, top_k)
     assert call(t, device="cuda:1") == want  # another GPU: no file
     assert call(t, dtype=torch.float16) == want  # another dtype
-    assert moe_mod.get_config(t, e, top_k, "cuda", hidden_size=4096, intermediate_size=768,
-                              dtype=torch.bfloat16) == want  # another shape
-    assert moe_mod.get_config(t, e, top_k, "cuda") == want  # shape not given (the old signature)
-    assert moe_mod.get_config(t, e, top_k) == want  # no device
+    assert get_config(t, e, top_k, "cuda", hidden_size=4096, intermediate_size=768,
+                      dtype=torch.bfloat16) == want  # another shape
+    assert get_config(t, e, top_k, "cuda") == want  # shape not given (the old signature)
+    assert get_config(t, e, top_k) == want  # no device
     assert call(t, tuned=False) == want
-    assert call(t, device="cpu") == moe_mod._INTERPRETER_CONFIG
+    assert raw_call(t, device="cuda:1") == default_config(t, e, top_k, raw=True)  # bit for bit: _CONFIG_TABLE's
+    assert raw_call(t, device="cpu") == moe_mod._INTERPRETER_CONFIG
 
 
 def test_env_off(gpu, monkeypatch):
     gpu({KEY: {"1": CFG_A}})
-    assert call(1) == CFG_A
+    assert call(1) == full(CFG_A)
     monkeypatch.setenv(tuned.ENV, "off")
     assert call(1) == default_config(1, 128, 8)
 
@@ -113,7 +176,15 @@ def test_env_off(gpu, monkeypatch):
     dict(measured=False),
     dict(fmt="something-else/1"),
     dict(raw="{not json"),
-    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": 2}}),  # a knob the kernel does not have
+    dict(shapes_entry={"1": {**CFG_A, "BLOCK_SIZE_Q": 2}}),  # a knob the kernel does not have
+    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": 3}}),  # not a power of two
+    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": 32}}),  # > 16
+    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": 0}}),
+    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": True}}),  # a bool is not an integer here
+    dict(shapes_entry={"1": {**CFG_A, "SPLIT_K": 2.0}}),
+    dict(shapes_entry={"1": {**CFG_A, "SWAP_AB": 1}}),  # JSON true / false only
+    dict(shapes_entry={"1": {**CFG_A, "SWAP_AB": "true"}}),
+    dict(shapes_entry={"1": {**CFG_A, "SWAP_AB": None}}),
     dict(shapes_entry={"1": {k: v for k, v in CFG_A.items() if k != "num_stages"}}),
     dict(shapes_entry={"1": {**CFG_A, "BLOCK_SIZE_N": 48}}),
     dict(shapes_entry={"1": {**CFG_A, "BLOCK_SIZE_M": 8}}),
@@ -128,8 +199,8 @@ def test_unusable_file_is_ignored_whole(gpu, bad):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert call(1) == default_config(1, 128, 8)
-        assert moe_mod.get_config(1, 8, 2, "cuda", hidden_size=4096, intermediate_size=14336,
-                                  dtype=torch.bfloat16) == default_config(1, 8, 2)
+        assert get_config(1, 8, 2, "cuda", hidden_size=4096, intermediate_size=14336,
+                          dtype=torch.bfloat16) == default_config(1, 8, 2)
     assert sum("ignoring the kernel config table" in str(w.message) for w in caught) == 1  # read once
 
 
@@ -144,29 +215,44 @@ def test_no_cuda_no_lookup(monkeypatch, tmp_path):
 
 
 def test_check_config():
-    assert tuned.check_config(CFG_A) == CFG_A
-    for bad in ({**CFG_A, "num_warps": 3}, {**CFG_A, "num_stages": 0}, {**CFG_A, "GROUP_SIZE_M": 0},
-                {**CFG_A, "BLOCK_SIZE_K": True}, [1, 2]):
-        with pytest.raises(ValueError):
+    assert tuned.check_config(CFG_A) == full(CFG_A)
+    assert list(tuned.check_config(CFG_A)) == list(tuned.CONFIG_KEYS)
+    assert tuned.check_config(CFG_D) == CFG_D
+    assert tuned.check_config(CFG_D) is not CFG_D
+    keep = dict(CFG_A)
+    tuned.check_config(keep)
+    assert keep == CFG_A  # the argument is not filled in
+    for sk in (1, 2, 4, 8, 16):
+        assert tuned.check_config({**CFG_A, "SPLIT_K": sk})["SPLIT_K"] == sk
+    assert tuned.check_config({**CFG_A, "SWAP_AB": True}) == {**CFG_A, "SPLIT_K": 1, "SWAP_AB": True}
+    for bad, word in (({**CFG_A, "num_warps": 3}, "num_warps"), ({**CFG_A, "num_stages": 0}, "num_stages"),
+                      ({**CFG_A, "GROUP_SIZE_M": 0}, "GROUP_SIZE_M"), ({**CFG_A, "BLOCK_SIZE_K": True}, "BLOCK_SIZE_K"),
+                      ([1, 2], "object"), ({**CFG_A, "SPLIT_K": 3}, "SPLIT_K"), ({**CFG_A, "SPLIT_K": 32}, "SPLIT_K"),
+                      ({**CFG_A, "SPLIT_K": 0}, "SPLIT_K"), ({**CFG_A, "SPLIT_K": True}, "SPLIT_K"),
+                      ({**CFG_A, "SWAP_AB": 1}, "SWAP_AB"), ({**CFG_A, "SWAP_AB": 0}, "SWAP_AB"),
+                      ({**CFG_A, "SWAP_AB": "false"}, "SWAP_AB"), ({**CFG_A, "split_k": 2}, "unknown")):
+        with pytest.raises(ValueError, match=word):
             tuned.check_config(bad)
     for _, cfg in moe_mod._CONFIG_TABLE:
-        assert tuned.check_config(cfg) == cfg  # the defaults are valid entries
+        assert tuned.check_config(cfg) == full(cfg)  # the defaults are valid entries
+    assert tuned.check_config(moe_mod._INTERPRETER_CONFIG) == full(moe_mod._INTERPRETER_CONFIG)
     assert math.isinf(moe_mod._CONFIG_TABLE[-1][0])
 
 
 def test_tuner_on_the_interpreter(tmp_path):
-    """bench/tune_kernel.py end to end on CPU (interpreter, a tiny shape, a two-config space): budget stop, resume,
-    and a table that the lookup accepts."""
+    """bench/tune_kernel.py end to end on CPU (interpreter, a tiny shape, a space of a config without SPLIT_K /
+    SWAP_AB and one with SPLIT_K 2 and SWAP_AB, plus the default): budget stop, resume, and a table that the lookup
+    accepts, with all eight keys."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    space = json.dumps([dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4,
-                             num_stages=1)])
+    plain = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+    space = json.dumps([plain, {**plain, "SPLIT_K": 2, "SWAP_AB": True}])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    cmd = [sys.executable, str(repo / "bench" / "tune_kernel.py"), "--device", "cpu", "--shapes", "4,32,16,2",
+    cmd = [sys.executable, str(repo / "bench" / "tune_kernel.py"), "--device", "cpu", "--shapes", "4,32,32,2",
            "--tokens", "1", "3", "--out", str(tmp_path), "--space", space]
 
     def run(*extra):
@@ -180,11 +266,84 @@ def test_tuner_on_the_interpreter(tmp_path):
     assert "2 already done" in again and "DONE: 2 points" in again
     data = json.loads((tmp_path / "cpu-interpreter.json").read_text())
     table = tuned._parse(data, None)
-    rows = table["E=4,H=32,I=16,top_k=2,dtype=float16"]
+    rows = table["E=4,H=32,I=32,top_k=2,dtype=float16"]
     assert [b for b, _ in rows] == [1, 3]
+    for _, cfg in rows:
+        assert list(cfg) == list(tuned.CONFIG_KEYS)
+    for entry in data["shapes"]["E=4,H=32,I=32,top_k=2,dtype=float16"].values():
+        assert list(entry) == list(tuned.CONFIG_KEYS)  # written out in full
     raw = json.loads((tmp_path / "cpu-interpreter.raw.json").read_text())
     for p in raw["points"].values():
         assert p["done"] and all(c["ok"] for c in p["checks"].values() if c is not None) and p["checks"]
+        assert {"M16_N16_K16_G2_w4_s1", "M16_N16_K16_G2_w4_s1_sk2_swap"} <= set(p["timings"]), p["timings"].keys()
+
+
+def _tune_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("tune_kernel_under_test", bench / "tune_kernel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tuner_space():
+    """bench/tune_kernel.py's search space: config ids, stage A (tiles x SWAP_AB, N 256 only for T >= 1024, what
+    fits shared memory), stage B (num_warps x num_stages), SPLIT_K (only where GEMM2 has the K blocks, decode-sized
+    groups only), and the size of the default run (what one device call of ~480 s is estimated on)."""
+    tk = _tune_module()
+    plain = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    assert tk.cfg_id(plain) == "M16_N64_K128_G1_w4_s4"  # the earlier tuner's ids: its raw files resume
+    assert tk.cfg_id(tuned.check_config(plain)) == "M16_N64_K128_G1_w4_s4"
+    assert tk.cfg_id({**plain, "SPLIT_K": 4, "SWAP_AB": True}) == "M16_N64_K128_G1_w4_s4_sk4_swap"
+    assert tk.cfg_id({**plain, "SWAP_AB": True}) == "M16_N64_K128_G1_w4_s4_swap"
+    assert tk.make_cfg(16, 64, 128, 1, 4, 4) == full(plain)
+    assert tk.make_cfg(16, 64, 128, 1, 4, 4, 4, True) == {**plain, "SPLIT_K": 4, "SWAP_AB": True}
+
+    for per_expert, t in ((0.0625, 1), (64, 1024), (256, 4096), (32, 128)):
+        a = tk.stage_a(per_expert, t, quick=False)
+        ids = [tk.cfg_id(c) for c in a]
+        assert len(ids) == len(set(ids))
+        for c in a:
+            assert tuned.check_config(c) == c and c["SPLIT_K"] == 1 and c["num_warps"] == 4
+            assert tk.m_allowed(c["BLOCK_SIZE_M"], per_expert)
+            assert tk.smem(c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"], c["num_stages"]) <= tk.SMEM_BYTES
+            assert c["GROUP_SIZE_M"] == (8 if c["BLOCK_SIZE_M"] >= 64 else 1)
+        tiles = {tk.tile_of(c)[:3] for c in a}
+        assert all({tk.tile_of(c) for c in a} >= {tl + (False,), tl + (True,)} for tl in tiles)  # both SWAP_AB
+        assert {c["BLOCK_SIZE_N"] for c in a} == ({64, 128, 256} if t >= 1024 else {64, 128})
+        assert {c["BLOCK_SIZE_K"] for c in a} == {64, 128, 256}
+        for c in tk.stage_a(per_expert, t, quick=True):
+            assert c["BLOCK_SIZE_K"] == (64 if c["BLOCK_SIZE_M"] >= 64 else 128) and c["BLOCK_SIZE_N"] in (64, 128)
+    assert len(tk.stage_a(0.0625, 1, quick=False)) == 12  # decode: BLOCK_SIZE_M 16 only, 2 N x 3 K x 2
+    assert (128, 256, 256, False) not in {tk.tile_of(c) for c in tk.stage_a(256, 4096, False)}  # no smem
+
+    b = tk.stage_b([(16, 64, 128, True), (64, 128, 64, False)], quick=False)
+    assert len(b) == 8 and all(c["SPLIT_K"] == 1 for c in b)
+    assert {(c["num_warps"], c["num_stages"]) for c in b} == {(4, 3), (4, 4), (8, 3), (8, 4)}
+    assert {c["SWAP_AB"] for c in b if c["BLOCK_SIZE_M"] == 16} == {True}
+    assert tk.stage_b([(16, 64, 128, True)], quick=True) == []
+
+    best = [tk.make_cfg(16, 64, 128, 1, 8, 3, 1, True), tk.make_cfg(16, 64, 256, 1, 4, 4)]
+    sk = tk.stage_split(best, 768, quick=False)  # cdiv(768, 128) = 6, cdiv(768, 256) = 3
+    assert [tk.cfg_id(c) for c in sk] == ["M16_N64_K128_G1_w8_s3_sk2_swap", "M16_N64_K128_G1_w8_s3_sk4_swap",
+                                          "M16_N64_K256_G1_w4_s4_sk2"]
+    assert all(tuned.check_config(c) == c for c in sk)
+    assert tk.split_allowed(16) and not tk.split_allowed(32)
+
+    pl = tk.plan(tk.parse_shapes(list(tk.SHAPES)), list(tk.TOKENS), quick=False, refine=2,
+                 default_of=lambda t, e, top_k: default_config(t, e, top_k))
+    assert len(pl["points"]) == 18
+    # The default run's budget (module docstring): about the size of the old --quick space.
+    assert pl["search_timings_max"] + pl["final_timings_max"] <= 700
+    assert pl["compiled_max"] <= 360 and pl["compiled_split_k_max"] <= 60
+    quick = tk.plan(tk.parse_shapes(list(tk.SHAPES)), list(tk.TOKENS), quick=True, refine=1,
+                    default_of=lambda t, e, top_k: default_config(t, e, top_k))
+    assert quick["search_timings_max"] < pl["search_timings_max"] / 2 and quick["compiled_max"] < pl["compiled_max"] / 2
 
 
 def test_marlin_baseline_layout_and_skip():
