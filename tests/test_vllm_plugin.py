@@ -451,3 +451,26 @@ def test_dtype_other_than_the_conversion_is_warned(converted, caplog):
         assert not caplog.records
         plugin._warn_dtype(ck, SimpleNamespace(model="m", dtype=torch.float16))
     assert "converted in bfloat16 but is served in float16" in caplog.text
+
+
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-file", "indexed"])
+def test_checkpoint_dir_of_a_hub_repo(shards, tmp_path, monkeypatch):
+    """`vllm serve <repo id>`: the plugin opens the checkpoint from the Hub cache. A one-file checkpoint has no
+    index, so its shard's header is what names the layers (a snapshot of the JSON files alone cannot be opened)."""
+    import hub_server as hs
+
+    import expq
+    from expq.demo import DEMO_CONFIG
+    from expq.examples import build_example
+
+    src = build_example("mixtral", tmp_path / "src", **DEMO_CONFIG)
+    out = tmp_path / "out"
+    expq.convert(src, out, format="experts-int8", device="cpu", max_shard_size="40MB" if shards == 1 else "4MB")
+    assert (out / "model.safetensors.index.json").exists() == (shards > 1)
+    with hs.HubServer(tmp_path / "hub") as server:
+        hs.configure_hf_client(monkeypatch, server.url, tmp_path / "hf-home", server.token)
+        expq.push(out, "me/demo-int8", device="cpu")
+        local = plugin.checkpoint_dir(SimpleNamespace(model="me/demo-int8", revision=None))
+        ck = ConvertedCheckpoint(local)
+        assert ck.moe_layers == ConvertedCheckpoint(out).moe_layers == [0, 1, 2, 3]
+        assert ck.num_experts == 8 and ck.tensors == ConvertedCheckpoint(out).tensors

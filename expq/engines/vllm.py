@@ -58,7 +58,7 @@ _NEEDED: tuple[tuple[str, ...], ...] = (
 )
 _LOCK = threading.Lock()
 _LOG = logging.getLogger("expq.vllm")
-_STATE: dict[str, Any] = {}  # "api", "config_cls", "method_cls" once registered
+_STATE: dict[str, Any] = {}  # "api", "config_cls", "method_cls" once registered; "routing": the last loader call's quantization
 
 
 def vllm_version() -> str:
@@ -258,9 +258,12 @@ def _method_class(api: SimpleNamespace) -> type:
             if getattr(layer, "_already_called_process_weights_after_loading", False):
                 return
             if self.loader is None:
+                seen = _STATE.get("routing")
+                why = ("vLLM's default loader never ran (the plugin routes expert tensors there only)"
+                       if seen is None else f"the default loader ran for quantization {seen!r}, not "
+                       f"{QUANT_METHOD!r}" if seen != QUANT_METHOD else "the routing found no such layer")
                 raise SourceError(f"{getattr(layer, 'layer_name', 'a MoE layer')}: no expq expert tensor was "
-                                  "loaded", hint="the plugin routes them in vLLM's default loader only: use "
-                                  "--load-format auto or safetensors")
+                                  f"loaded: {why}", hint="serve with --load-format auto or safetensors")
             self.loader.check_complete()
             self._setup_kernel(layer)
             layer._already_called_process_weights_after_loading = True
@@ -278,7 +281,8 @@ def _patch_loader(api: SimpleNamespace) -> None:
 
     def get_all_weights(self, model_config, model):
         weights = original(self, model_config, model)
-        if getattr(model_config, "quantization", None) != QUANT_METHOD:
+        _STATE["routing"] = getattr(model_config, "quantization", None)
+        if _STATE["routing"] != QUANT_METHOD:
             return weights
         return routed_weights(weights, model_config, model, getattr(self.load_config, "download_dir", None))
 
@@ -323,14 +327,16 @@ def _warn_dtype(ck, model_config) -> None:
 
 def checkpoint_dir(model_config, download_dir: str | None = None) -> Path:
     """The local directory of ``model_config.model``: itself when it is a directory, else the Hub snapshot
-    (``model_config.revision``) in the cache vLLM downloaded it to (only ``*.json`` fetched here)."""
+    (``model_config.revision``) in the cache vLLM downloaded it to: the JSON files (index, expq.json, config) and
+    the safetensors shards, which vLLM has fetched into that cache already (so nothing is downloaded twice; a
+    checkpoint without an index is read through its one shard's header)."""
     path = Path(model_config.model)
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(model_config.model, revision=getattr(model_config, "revision", None),
-                                  cache_dir=download_dir, allow_patterns=["*.json"]))
+                                  cache_dir=download_dir, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def attach_loaders(model: torch.nn.Module, ck, api: SimpleNamespace | None = None,
