@@ -8,10 +8,11 @@ Usage (repo root, CUDA machine; PYTHONPATH=. or an install of this checkout):
     python3 bench/tune_kernel.py --plan                                   # the space's size only (no GPU)
 
 The knobs (``expq.kernels.tuned.CONFIG_KEYS``): BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, SPLIT_K (the
-split-K factor of GEMM2, the down projection; 1 = none) and SWAP_AB (every tile computed transposed, both GEMMs:
-the dequantized weight tile is the first MMA operand, the tokens the small N dimension). One config applies to
-both GEMMs (the kernel's API). What it does, per shape (E, H, I, top_k) and token count T (a "point"), with the
-weights and routing of bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
+split-K factor of GEMM2, the down projection; 1 = none), SWAP_AB (every tile computed transposed, both GEMMs:
+the dequantized weight tile is the first MMA operand, the tokens the small N dimension) and FUSE_ACT (GEMM1 stores
+act(gate) * up itself, no activation launch; BLOCK_SIZE_N columns of gate and of up per program). One config
+applies to both GEMMs (the kernel's API). What it does, per shape (E, H, I, top_k) and token count T (a "point"),
+with the weights and routing of bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
 
 1. stage A, the tiles: every BLOCK_SIZE_M that suits the pairs per expert (T * top_k / E; bench_kernel.py --sweep's
    rule) x BLOCK_SIZE_N in (64, 128), plus 256 when T >= 1024, x BLOCK_SIZE_K in (64, 128, 256), each with SWAP_AB
@@ -19,7 +20,8 @@ weights and routing of bench/bench_kernel.py (random int8 codes, per-row scales,
    BLOCK_SIZE_M >= 64 (else 1); plus today's default config (``get_config(..., tuned=False)``);
 2. stage B: the best ``--refine`` (2) (tile, SWAP_AB) of stage A again with num_warps (4, 8) x num_stages (3, 4);
    then, for decode-sized groups (T * top_k / E <= 16), each of them at its best num_warps / num_stages with
-   SPLIT_K 2, 4 and 8 (those with cdiv(I, BLOCK_SIZE_K) >= SPLIT_K: GEMM2's K is I);
+   SPLIT_K 2, 4 and 8 (those with cdiv(I, BLOCK_SIZE_K) >= SPLIT_K: GEMM2's K is I); then the best three configs
+   without SWAP_AB or FUSE_ACT with FUSE_ACT, at their BLOCK_SIZE_N and at half of it (not with ``--space``);
 3. final: the best 3 configs and the default re-timed with ``--final-rep``; the fastest whose output is within the
    kernel tests' bounds of the fp32 ``moe_reference`` (rel <= 8u, worst token <= 16u; u = 2^-8 bf16, 2^-11 fp16)
    is the point's winner.
@@ -33,7 +35,8 @@ Cost: the default run of the 18 points (3 shapes x T 1, 8, 32, 128, 1024, 4096, 
 of stage A are ~240; a SPLIT_K variant compiles GEMM2 only) and makes ~680 timings (per point 22 to 75 in the
 search, plus 3 or 4 final ones): one device call of at most ~480 s (``--budget-s 480``). Measured on an H200 (16
 cores, 12 compile workers, Triton 3.6, empty Triton cache, 2026-12-01): 354 configs compiled (134 s of the workers'
-wall time), 613 + 63 timings, 194 s in all; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the
+wall time), 613 + 63 timings, 194 s in all, before FUSE_ACT was in the space (it adds at most 6 timings and
+6 compilations in the timing process per point); ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the
 larger part; the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k
 divisible by 16 or not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
 bounds for other shapes and token counts.
@@ -105,16 +108,18 @@ def log(msg):
 
 
 def cfg_id(c) -> str:
-    """``M16_N64_K128_G1_w4_s4``, plus ``_sk<SPLIT_K>`` when SPLIT_K > 1 and ``_swap`` with SWAP_AB (a config without
-    these keys has the id of SPLIT_K 1, SWAP_AB false: the ids of the earlier tuner, whose raw files resume)."""
-    sk, swap = c.get("SPLIT_K", 1), c.get("SWAP_AB", False)
+    """``M16_N64_K128_G1_w4_s4``, plus ``_sk<SPLIT_K>`` when SPLIT_K > 1, ``_swap`` with SWAP_AB and ``_fuse`` with
+    FUSE_ACT (a config without these keys has the id of SPLIT_K 1, SWAP_AB and FUSE_ACT false: the ids of the
+    earlier tuner, whose raw files resume)."""
+    sk, swap, fuse = c.get("SPLIT_K", 1), c.get("SWAP_AB", False), c.get("FUSE_ACT", False)
     return (f"M{c['BLOCK_SIZE_M']}_N{c['BLOCK_SIZE_N']}_K{c['BLOCK_SIZE_K']}_G{c['GROUP_SIZE_M']}"
-            f"_w{c['num_warps']}_s{c['num_stages']}" + (f"_sk{sk}" if sk != 1 else "") + ("_swap" if swap else ""))
+            f"_w{c['num_warps']}_s{c['num_stages']}" + (f"_sk{sk}" if sk != 1 else "") + ("_swap" if swap else "")
+            + ("_fuse" if fuse else ""))
 
 
-def make_cfg(m, n, k, g, w, s, sk=1, swap=False) -> dict:
+def make_cfg(m, n, k, g, w, s, sk=1, swap=False, fuse=False) -> dict:
     return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=g, num_warps=w, num_stages=s,
-                SPLIT_K=sk, SWAP_AB=bool(swap))
+                SPLIT_K=sk, SWAP_AB=bool(swap), FUSE_ACT=bool(fuse))
 
 
 def tile_of(c) -> tuple:
@@ -164,6 +169,20 @@ def stage_b(tiles, quick) -> list[dict]:
             for s in STAGES:
                 if smem(m, n, k, s) <= SMEM_BYTES:
                     out.append(make_cfg(m, n, k, group_m(m), w, s, 1, swap))
+    return out
+
+
+def stage_fuse(best) -> list[dict]:
+    """``best`` (configs with SWAP_AB false) with FUSE_ACT: at the same BLOCK_SIZE_N (gate and up tiles of N columns
+    each: twice the weight rows per program) and at half of it (the same weight rows per program as unfused), where
+    the doubled B tile fits shared memory."""
+    out = []
+    for c in best:
+        if c.get("SWAP_AB", False):
+            continue
+        for n in {c["BLOCK_SIZE_N"], c["BLOCK_SIZE_N"] // 2}:
+            if n >= 16 and smem(c["BLOCK_SIZE_M"], 2 * n, c["BLOCK_SIZE_K"], c["num_stages"]) <= SMEM_BYTES:
+                out.append(dict(c, BLOCK_SIZE_N=n, FUSE_ACT=True))
     return out
 
 
@@ -501,6 +520,13 @@ def main():
                         if not measure(stage_split(best, i, a.quick), a.rep, p["timings"]):
                             stopped = True
                             break
+                    # FUSE_ACT on the best three unfused, untransposed configs so far.
+                    ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
+                    plain = [tuned.check_config(r["cfg"]) for r in ranked
+                             if not r["cfg"].get("SWAP_AB", False) and not r["cfg"].get("FUSE_ACT", False)][:3]
+                    if not measure(stage_fuse(plain), a.rep, p["timings"]):
+                        stopped = True
+                        break
                 # Final: the best 3 and the default, re-timed longer; the fastest that passes the check wins.
                 ranked = sorted(p["timings"].values(), key=lambda r: r["us"])
                 finalists = {cfg_id(r["cfg"]): r["cfg"] for r in ranked[:3]}

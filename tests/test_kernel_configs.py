@@ -4,8 +4,8 @@ No GPU here: the running GPU's name is faked (``tuned._GPU_NAMES``) and tables a
 given by ``EXPQ_KERNEL_CONFIGS`` (the package's own directory hidden). What is checked: an exact entry is used; the nearest token bucket is chosen (ties
 to the smaller); an unknown GPU, an unknown shape, another dtype, CPU, ``tuned=False``, ``off``, a file not marked
 measured and a malformed file all give today's default bit for bit; entries may set SPLIT_K / SWAP_AB or leave them
-out (1 / False); the shipped H200 table is whole, valid and used on an H200 only. Configs are compared through ``tuned.check_config`` (all
-eight keys) wherever the built-in defaults are involved, so the tests do not depend on whether ``_CONFIG_TABLE``
+out (1 / False); FUSE_ACT likewise; the shipped H200 table is whole, valid and used on an H200 only. Configs are compared through ``tuned.check_config`` (all
+nine keys) wherever the built-in defaults are involved, so the tests do not depend on whether ``_CONFIG_TABLE``
 spells out SPLIT_K and SWAP_AB.
 """
 
@@ -27,11 +27,11 @@ CFG_B = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=16
 CFG_C = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
 CFG_D = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4,
              SPLIT_K=4, SWAP_AB=True)
-NEW_KEYS = dict(SPLIT_K=1, SWAP_AB=False)
+NEW_KEYS = dict(SPLIT_K=1, SWAP_AB=False, FUSE_ACT=False)
 
 
 def full(cfg):
-    """A 6-key config as get_config / lookup return it: with SPLIT_K 1 and SWAP_AB False."""
+    """A 6-key config as get_config / lookup return it: with SPLIT_K 1, SWAP_AB and FUSE_ACT False."""
     return {**cfg, **{k: v for k, v in NEW_KEYS.items() if k not in cfg}}
 
 
@@ -72,7 +72,7 @@ def raw_call(t, device="cuda", dtype=torch.bfloat16, **kw):
 
 
 def call(t, device="cuda", dtype=torch.bfloat16, **kw):
-    """get_config's answer through check_config (all eight keys, a built-in default with or without the new two)."""
+    """get_config's answer through check_config (all nine keys, a built-in default with or without the new three)."""
     return tuned.check_config(raw_call(t, device, dtype, **kw))
 
 
@@ -124,7 +124,7 @@ def test_shipped_h200_table(monkeypatch):
 
 def test_exact_entry_and_buckets(gpu):
     gpu({KEY: {"1": CFG_A, "32": CFG_B, "1024": CFG_C}})
-    assert raw_call(1) == full(CFG_A)  # a table entry: all eight keys, whatever the default table holds
+    assert raw_call(1) == full(CFG_A)  # a table entry: all nine keys, whatever the default table holds
     assert raw_call(16) == full(CFG_A)  # |16-1| = 15 < |16-32| = 16
     assert raw_call(17) == full(CFG_B)  # 16 vs 15
     assert raw_call(528) == full(CFG_B)  # |528-32| = 496 == |528-1024| = 496: tie to the smaller bucket
@@ -143,10 +143,10 @@ def test_split_k_and_swap_ab_entries(gpu):
     before the kernel had them) gets 1 / False."""
     gpu({KEY: {"1": CFG_D, "32": CFG_B, "1024": {**CFG_C, "SWAP_AB": False, "SPLIT_K": 16}}})
     got = raw_call(1)
-    assert got == CFG_D and got["SPLIT_K"] == 4 and got["SWAP_AB"] is True
+    assert got == full(CFG_D) and got["SPLIT_K"] == 4 and got["SWAP_AB"] is True
     got = raw_call(32)
-    assert got == {**CFG_B, "SPLIT_K": 1, "SWAP_AB": False} and got["SWAP_AB"] is False
-    assert raw_call(4096) == {**CFG_C, "SPLIT_K": 16, "SWAP_AB": False}
+    assert got == full(CFG_B) and got["SWAP_AB"] is False and got["FUSE_ACT"] is False
+    assert raw_call(4096) == full({**CFG_C, "SPLIT_K": 16, "SWAP_AB": False})
 
 
 @pytest.mark.parametrize("t", [1, 8, 32, 128, 1024, 4096, 3])
@@ -217,20 +217,22 @@ def test_no_cuda_no_lookup(monkeypatch, tmp_path):
 def test_check_config():
     assert tuned.check_config(CFG_A) == full(CFG_A)
     assert list(tuned.check_config(CFG_A)) == list(tuned.CONFIG_KEYS)
-    assert tuned.check_config(CFG_D) == CFG_D
+    assert tuned.check_config(CFG_D) == full(CFG_D)
     assert tuned.check_config(CFG_D) is not CFG_D
     keep = dict(CFG_A)
     tuned.check_config(keep)
     assert keep == CFG_A  # the argument is not filled in
     for sk in (1, 2, 4, 8, 16):
         assert tuned.check_config({**CFG_A, "SPLIT_K": sk})["SPLIT_K"] == sk
-    assert tuned.check_config({**CFG_A, "SWAP_AB": True}) == {**CFG_A, "SPLIT_K": 1, "SWAP_AB": True}
+    assert tuned.check_config({**CFG_A, "SWAP_AB": True}) == full({**CFG_A, "SWAP_AB": True})
+    assert tuned.check_config({**CFG_A, "FUSE_ACT": True}) == full({**CFG_A, "FUSE_ACT": True})
     for bad, word in (({**CFG_A, "num_warps": 3}, "num_warps"), ({**CFG_A, "num_stages": 0}, "num_stages"),
                       ({**CFG_A, "GROUP_SIZE_M": 0}, "GROUP_SIZE_M"), ({**CFG_A, "BLOCK_SIZE_K": True}, "BLOCK_SIZE_K"),
                       ([1, 2], "object"), ({**CFG_A, "SPLIT_K": 3}, "SPLIT_K"), ({**CFG_A, "SPLIT_K": 32}, "SPLIT_K"),
                       ({**CFG_A, "SPLIT_K": 0}, "SPLIT_K"), ({**CFG_A, "SPLIT_K": True}, "SPLIT_K"),
                       ({**CFG_A, "SWAP_AB": 1}, "SWAP_AB"), ({**CFG_A, "SWAP_AB": 0}, "SWAP_AB"),
-                      ({**CFG_A, "SWAP_AB": "false"}, "SWAP_AB"), ({**CFG_A, "split_k": 2}, "unknown")):
+                      ({**CFG_A, "SWAP_AB": "false"}, "SWAP_AB"), ({**CFG_A, "split_k": 2}, "unknown"),
+                      ({**CFG_A, "FUSE_ACT": 1}, "FUSE_ACT"), ({**CFG_A, "FUSE_ACT": True, "SWAP_AB": True}, "FUSE_ACT")):
         with pytest.raises(ValueError, match=word):
             tuned.check_config(bad)
     for _, cfg in moe_mod._CONFIG_TABLE:
@@ -242,7 +244,7 @@ def test_check_config():
 def test_tuner_on_the_interpreter(tmp_path):
     """bench/tune_kernel.py end to end on CPU (interpreter, a tiny shape, a space of a config without SPLIT_K /
     SWAP_AB and one with SPLIT_K 2 and SWAP_AB, plus the default): budget stop, resume, and a table that the lookup
-    accepts, with all eight keys."""
+    accepts, with all nine keys."""
     import os
     import subprocess
     import sys
@@ -302,7 +304,11 @@ def test_tuner_space():
     assert tk.cfg_id({**plain, "SPLIT_K": 4, "SWAP_AB": True}) == "M16_N64_K128_G1_w4_s4_sk4_swap"
     assert tk.cfg_id({**plain, "SWAP_AB": True}) == "M16_N64_K128_G1_w4_s4_swap"
     assert tk.make_cfg(16, 64, 128, 1, 4, 4) == full(plain)
-    assert tk.make_cfg(16, 64, 128, 1, 4, 4, 4, True) == {**plain, "SPLIT_K": 4, "SWAP_AB": True}
+    assert tk.make_cfg(16, 64, 128, 1, 4, 4, 4, True) == full({**plain, "SPLIT_K": 4, "SWAP_AB": True})
+    assert tk.cfg_id(tk.make_cfg(16, 64, 128, 1, 4, 4, fuse=True)) == "M16_N64_K128_G1_w4_s4_fuse"
+    fused = tk.stage_fuse([tk.make_cfg(16, 64, 128, 1, 4, 4), tk.make_cfg(16, 64, 128, 1, 4, 4, swap=True)])
+    assert [(c["BLOCK_SIZE_N"], c["FUSE_ACT"]) for c in sorted(fused, key=lambda c: c["BLOCK_SIZE_N"])] == \
+        [(32, True), (64, True)]  # half and same N; never with SWAP_AB
 
     for per_expert, t in ((0.0625, 1), (64, 1024), (256, 4096), (32, 128)):
         a = tk.stage_a(per_expert, t, quick=False)

@@ -393,6 +393,27 @@ def test_split_k_and_swap_ab(split_k, swap_ab, top_k, bias, activation, dtype):
         assert torch.equal(out, plain)
 
 
+FUSED_CASES = [(a, True, H, I, torch.float16) for a in ACTIVATIONS] + [
+    ("silu", False, H, I, torch.float32), ("swigluoai", True, 96, 64, torch.float16)]  # fp32; unmasked K loop
+
+
+@pytest.mark.parametrize("activation,bias,h,i,dtype", FUSED_CASES,
+                         ids=[f"{c[0]}-{'bias' if c[1] else 'nobias'}-H{c[2]}-{str(c[4])[6:]}" for c in FUSED_CASES])
+def test_fused_activation_is_bit_identical(activation, bias, h, i, dtype):
+    # FUSE_ACT: GEMM1 computes the gate and up tiles itself and stores act(gate) * up, rounding gate and up to the
+    # activation dtype first as the unfused pipeline's cache does: the same bits, one launch fewer.
+    args, kwargs = make_problem(h=h, i=i, t=19, top_k=2, dtype=dtype, seed=50 + i, bias=bias,
+                                w13_gain=3.0 if activation == "swigluoai" else 1.0)
+    kwargs["activation"] = activation
+    cfg = moe_mod.get_config(19, E, 2, "cpu")
+    plain = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=False))
+    fused = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=True))
+    assert torch.equal(fused, plain)
+    assert_close_to_reference(fused, moe_reference(*args, **kwargs), dtype, f"FUSE_ACT {activation}")
+    split = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=True, SPLIT_K=2))
+    assert_close_to_reference(split, moe_reference(*args, **kwargs), dtype, "FUSE_ACT + SPLIT_K")
+
+
 def test_split_k_even_k_and_on_input():
     # H=96, I=64: K blocks of 32 divide both (the unmasked loop), SPLIT_K 2 gives each split one full block;
     # Llama-4 style router weight on the input (top_k 1: GEMM2's partials still go through the sum kernel)
@@ -404,7 +425,8 @@ def test_split_k_even_k_and_on_input():
 
 
 @pytest.mark.parametrize("bad,key", [(dict(SPLIT_K=3), "SPLIT_K"), (dict(BLOCK_SIZE_N=48), "BLOCK_SIZE_N"),
-                                     (dict(SWAP_AB="yes"), "SWAP_AB")])
+                                     (dict(SWAP_AB="yes"), "SWAP_AB"), (dict(FUSE_ACT=1), "FUSE_ACT"),
+                                     (dict(FUSE_ACT=True, SWAP_AB=True), "FUSE_ACT")])
 def test_bad_config_is_refused(bad, key):
     args, kwargs = make_problem(t=3)
     with pytest.raises(ValueError, match=f"config: .*{key}"):

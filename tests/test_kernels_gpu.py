@@ -175,11 +175,12 @@ def test_align_kernel_equals_torch_at_scale(t, top_k, e, block):
         assert torch.equal(r, o.cpu())
 
 
-KNOBS = [dict(SPLIT_K=s, SWAP_AB=w) for s in (1, 4) for w in (False, True)]
+KNOBS = [dict(SPLIT_K=s, SWAP_AB=w) for s in (1, 4) for w in (False, True)] + [
+    dict(SPLIT_K=1, SWAP_AB=False, FUSE_ACT=True), dict(SPLIT_K=4, SWAP_AB=False, FUSE_ACT=True)]
 
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=[f"sk{k['SPLIT_K']}-{'swap' if k['SWAP_AB'] else 'noswap'}"
-                                                for k in KNOBS])
+                                                + ("-fuse" if k.get("FUSE_ACT") else "") for k in KNOBS])
 @pytest.mark.parametrize("e,h,i,top_k,t,bm", [(8, 4096, 1024, 2, 1, 16), (8, 4096, 1024, 2, 200, 64),
                                               (64, 2048, 768, 8, 33, 16), (32, 2880, 2880, 4, 77, 32)])
 def test_split_k_and_swap_ab_bf16(knobs, e, h, i, top_k, t, bm):
@@ -192,8 +193,11 @@ def test_split_k_and_swap_ab_bf16(knobs, e, h, i, top_k, t, bm):
     out = moe_mod.fused_moe_triton(*args, **kwargs, activation=act, config=cfg)
     ref = moe_reference(*args, **kwargs, activation=act)
     check(out, ref, dtype, str(cfg))
-    plain = moe_mod.fused_moe_triton(*args, **kwargs, activation=act, config=dict(cfg, SPLIT_K=1, SWAP_AB=False))
+    plain = moe_mod.fused_moe_triton(*args, **kwargs, activation=act,
+                                     config=dict(cfg, SPLIT_K=1, SWAP_AB=False, FUSE_ACT=False))
     assert errors(out, plain.float())[0] <= PAIR_BOUND[dtype]
+    if knobs.get("FUSE_ACT") and knobs["SPLIT_K"] == 1:  # the same dot products, rounded at the same points
+        assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(SPLIT_K=2, SWAP_AB=True)], ids=["default", "sk2-swap"])

@@ -30,6 +30,8 @@ interpreted twin of each kernel for CPU tensors. CUDA tensors always use the dec
 
 from __future__ import annotations
 
+import types
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,31 @@ _MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
 
 # Activation ids, the ACTIVATION constexpr of moe_act_and_mul_kernel (index in expq.kernels.moe.ACTIVATIONS).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
+
+
+@triton.jit
+def _act_and_mul(g, u, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """act(g) * u in fp32 (g, u fp32 tiles): the activation of moe_act_and_mul_kernel and of GEMM1's FUSE_ACT."""
+    if ACTIVATION == 0:
+        # SiLU-and-mul: silu(g) * u (vLLM silu_and_mul).
+        y = g / (1.0 + tl.exp(-g)) * u
+    elif ACTIVATION == 1:
+        # Exact (erf) GELU-and-mul (vLLM gelu_and_mul).
+        y = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    elif ACTIVATION == 2:
+        # tanh-approximate GELU-and-mul (vLLM gelu_tanh_and_mul); 0.5 (1 + tanh(z)) = sigmoid(2 z).
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = g / (1.0 + tl.exp(-2.0 * z)) * u
+    else:
+        # GPT-OSS swiglu (vLLM swigluoai_and_mul): g clamped above, u clamped both sides, (u + 1) * g * sigmoid(a g).
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        y = (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+    return y
+
+
+_CALLED_HELPERS = ("_act_and_mul",)
+"""The @triton.jit helpers the kernels call (their CPU twins call interpreted twins of them; see ``_twin``)."""
 
 
 @triton.jit
@@ -97,6 +124,10 @@ def fused_moe_w8a16_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_K: tl.constexpr,  # program_id(1) in [0, SPLIT_K) takes K blocks [pid_k * K_ITERS, (pid_k + 1) * K_ITERS)
     SWAP_AB: tl.constexpr,  # accumulate the tile transposed: [BLOCK_SIZE_N, BLOCK_SIZE_M] = dequant(B) @ A^T
+    FUSE_ACT: tl.constexpr,  # GEMM1 only: N = I; rows n and I + n of B give gate and up; C = act(gate) * up
+    ACTIVATION: tl.constexpr,  # FUSE_ACT: as moe_act_and_mul_kernel
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_SIZE_K == 0: no K masks
     TOP_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -151,10 +182,13 @@ def fused_moe_w8a16_kernel(
         b_ptrs = b_base + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
         accumulator = tl.full((BLOCK_SIZE_N, BLOCK_SIZE_M), 0.0, dtype=tl.float32)
     else:
-        # A tile [BLOCK_SIZE_M, BLOCK_SIZE_K], B^T tile [BLOCK_SIZE_K, BLOCK_SIZE_N].
+        # A tile [BLOCK_SIZE_M, BLOCK_SIZE_K], B^T tile [BLOCK_SIZE_K, BLOCK_SIZE_N] (FUSE_ACT: and the up rows').
         a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
         accumulator = tl.full((BLOCK_SIZE_M, BLOCK_SIZE_N), 0.0, dtype=tl.float32)
+        if FUSE_ACT:
+            up_ptrs = b_ptrs + N * stride_bn
+            up_accumulator = tl.full((BLOCK_SIZE_M, BLOCK_SIZE_N), 0.0, dtype=tl.float32)
 
     # K loop: int8 tile -> activation dtype, fp32 accumulation. No scale inside the loop.
     for k in range(k_first, k_last):
@@ -178,6 +212,13 @@ def fused_moe_w8a16_kernel(
                             other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
             accumulator = tl.dot(a, b.to(compute_type), acc=accumulator, input_precision=DOT_PRECISION)
+            if FUSE_ACT:
+                if EVEN_K:
+                    b_up = tl.load(up_ptrs)
+                else:
+                    b_up = tl.load(up_ptrs, mask=offs_k[:, None] < K - k * BLOCK_SIZE_K, other=0)
+                up_accumulator = tl.dot(a, b_up.to(compute_type), acc=up_accumulator, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
@@ -205,6 +246,16 @@ def fused_moe_w8a16_kernel(
             accumulator = accumulator + bias[None, :]
         if MUL_ROUTED_WEIGHT:
             accumulator = accumulator * moe_weight[:, None]
+        if FUSE_ACT:
+            # As the unfused pipeline: gate and up rounded to the activation dtype (its GEMM1 cache), act in fp32.
+            up_scale = tl.load(b_scale_ptr + off_expert * stride_bse + (offs_bn + N) * stride_bsn)
+            up = up_accumulator * up_scale[None, :]
+            if HAS_BIAS:
+                up_bias = tl.load(b_bias_ptr + off_expert * stride_bbe + (offs_bn + N) * stride_bbn)
+                up = up + up_bias[None, :]
+            gate = accumulator.to(compute_type).to(tl.float32)
+            up = up.to(compute_type).to(tl.float32)
+            accumulator = _act_and_mul(gate, up, ACTIVATION, ALPHA, LIMIT)
         c_ptrs = c_base + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         c_mask = token_mask[:, None] & (offs_cn[None, :] < N)
     # Store: only real pairs, only columns < N.
@@ -327,21 +378,7 @@ def moe_act_and_mul_kernel(
     mask = cols < I
     g = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_xm + I + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == 0:
-        # SiLU-and-mul: silu(g) * u (vLLM silu_and_mul).
-        y = g / (1.0 + tl.exp(-g)) * u
-    elif ACTIVATION == 1:
-        # Exact (erf) GELU-and-mul (vLLM gelu_and_mul).
-        y = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
-    elif ACTIVATION == 2:
-        # tanh-approximate GELU-and-mul (vLLM gelu_tanh_and_mul); 0.5 (1 + tanh(z)) = sigmoid(2 z).
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        y = g / (1.0 + tl.exp(-2.0 * z)) * u
-    else:
-        # GPT-OSS swiglu (vLLM swigluoai_and_mul): g clamped above, u clamped both sides, (u + 1) * g * sigmoid(a g).
-        g = tl.minimum(g, LIMIT)
-        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-        y = (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+    y = _act_and_mul(g, u, ACTIVATION, ALPHA, LIMIT)
     tl.store(out_ptr + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -355,12 +392,27 @@ def _kernel_for(kernel, device: torch.device):
     """The decorated kernel for GPU tensors; an interpreted twin of it for CPU tensors."""
     if device.type != "cpu":
         return kernel
-    twin = _INTERPRETED.get(kernel)
-    if twin is None:
-        from triton.runtime.interpreter import InterpretedFunction
+    return _twin(kernel)
 
-        twin = kernel if isinstance(kernel, InterpretedFunction) else InterpretedFunction(kernel.fn)
-        _INTERPRETED[kernel] = twin
+
+def _twin(jitted):
+    """``jitted`` (a kernel or a @triton.jit helper of this module) as an InterpretedFunction whose own calls to
+    this module's helpers go to their interpreted twins too (a compiled-mode helper cannot be called there)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(jitted, InterpretedFunction):
+        return jitted
+    twin = _INTERPRETED.get(jitted)
+    if twin is None:
+        fn = jitted.fn
+        scope = dict(fn.__globals__)
+        for name in fn.__code__.co_names:
+            value = scope.get(name)
+            if name in _CALLED_HELPERS and isinstance(value, triton.runtime.JITFunction):
+                scope[name] = _twin(value)
+        twin = InterpretedFunction(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                                      fn.__closure__))
+        _INTERPRETED[jitted] = twin
     return twin
 
 
@@ -368,7 +420,8 @@ _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.
 
 
 def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_ids, expert_ids,
-                           num_tokens_post_padded, *, top_k, mul_routed_weight, config, split_k=1):
+                           num_tokens_post_padded, *, top_k, mul_routed_weight, config, split_k=1, fuse_act=None,
+                           alpha=1.702, limit=7.0):
     """Launch ``fused_moe_w8a16_kernel`` over every block of ``sorted_token_ids``.
 
     a [rows, K] act dtype; b int8 [E, N, K]; c [num_pairs, N] act dtype when ``split_k`` is 1, else fp32
@@ -377,7 +430,11 @@ def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_
     fp32 [num_pairs] (or None when not multiplied); sorted_token_ids / expert_ids / num_tokens_post_padded int32 from
     ``moe_align_block_size`` with ``config["BLOCK_SIZE_M"]``; ``top_k``: pairs per row of ``a`` (the router's top_k
     for GEMM1, 1 for GEMM2); ``config["SWAP_AB"]`` (default False) computes each tile transposed.
+    ``fuse_act``: an activation id (GEMM1 only, SWAP_AB False, split_k 1): b holds [gate; up] rows [E, 2N, K] and
+    c [num_pairs, N] receives act(gate) * up directly (``alpha`` / ``limit``: swigluoai's).
     """
+    if fuse_act is not None and (split_k != 1 or config.get("SWAP_AB", False) or mul_routed_weight):
+        raise ValueError("fuse_act: GEMM1 only (no split-K, no SWAP_AB, no router weight)")
     k_dim = a.shape[1]
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     if c3.shape[0] != split_k:
@@ -396,7 +453,9 @@ def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c3.stride(0), c3.stride(1), c3.stride(2),
         b_scale.stride(0), b_scale.stride(1), bias.stride(0), bias.stride(1),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"], SPLIT_K=split_k,
-        SWAP_AB=bool(config.get("SWAP_AB", False)), EVEN_K=k_dim % bk == 0,
+        SWAP_AB=bool(config.get("SWAP_AB", False)), FUSE_ACT=fuse_act is not None,
+        ACTIVATION=0 if fuse_act is None else int(fuse_act), ALPHA=float(alpha), LIMIT=float(limit),
+        EVEN_K=k_dim % bk == 0,
         TOP_K=top_k, MUL_ROUTED_WEIGHT=bool(mul_routed_weight), HAS_BIAS=has_bias,
         compute_type=_COMPUTE_TYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"],

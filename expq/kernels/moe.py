@@ -465,20 +465,22 @@ def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
 # expert, and within 5% of the best (128x256x64) at 1024.
 _CONFIG_TABLE = (
     (16, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=4,
-              SPLIT_K=1, SWAP_AB=False)),
+              SPLIT_K=1, SWAP_AB=False, FUSE_ACT=False)),
     (math.inf, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4,
-                    SPLIT_K=1, SWAP_AB=False)),
+                    SPLIT_K=1, SWAP_AB=False, FUSE_ACT=False)),
 )
 
 # Under the interpreter (CPU) the block shape sets the cost of every numpy op: small tiles, and they exercise masks.
 _INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4,
-                           num_stages=1, SPLIT_K=1, SWAP_AB=False)
+                           num_stages=1, SPLIT_K=1, SWAP_AB=False, FUSE_ACT=False)
 
 
 def get_config(num_tokens: int, num_experts: int, top_k: int, device=None, *, hidden_size: int | None = None,
                intermediate_size: int | None = None, dtype=None, tuned: bool = True) -> dict:
     """Block sizes for ``fused_moe_w8a16_kernel``: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, SPLIT_K
-    (split-K factor of GEMM2, the down projection; 1 = none) and SWAP_AB (tiles computed transposed, both GEMMs).
+    (split-K factor of GEMM2, the down projection; 1 = none), SWAP_AB (tiles computed transposed, both GEMMs) and
+    FUSE_ACT (GEMM1 computes gate and up tiles of BLOCK_SIZE_N columns each and stores act(gate) * up: no
+    activation launch, same bits).
 
     With ``hidden_size``, ``intermediate_size`` and ``dtype`` given, a CUDA ``device`` and ``tuned``: the entry of
     the GPU's tuned table (``expq.kernels.tuned``: exact (E, H, I, top_k, dtype), nearest token bucket) when there
@@ -511,12 +513,13 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
 
     Args / shapes / returns / raises: as ``fused_moe_int8``; ``config`` overrides ``get_config``'s block sizes
     (a dict with BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages, and optionally
-    SPLIT_K (default 1) and SWAP_AB (default False); checked by ``expq.kernels.tuned.check_config``, ValueError
-    naming the bad key).
+    SPLIT_K (default 1), SWAP_AB and FUSE_ACT (default False); checked by ``expq.kernels.tuned.check_config``,
+    ValueError naming the bad key).
 
-    Launches (no device synchronisation, CUDA-graph capturable): ``moe_align_kernel`` (sort), GEMM1,
-    the activation, GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and ``moe_sum_kernel`` (the top-k sum
-    and the split-K reduction, in a fixed order; skipped when top_k == 1 and SPLIT_K == 1).
+    Launches (no device synchronisation, CUDA-graph capturable): ``moe_align_kernel`` (sort), GEMM1, the activation
+    (fused into GEMM1 with FUSE_ACT), GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and
+    ``moe_sum_kernel`` (the top-k sum and the split-K reduction, in a fixed order; skipped when top_k == 1 and
+    SPLIT_K == 1).
     """
     if config is not None:
         from . import tuned as _tuned
@@ -559,7 +562,8 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
 
     block_m = config["BLOCK_SIZE_M"]
     split = max(1, min(config.get("SPLIT_K", 1), -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
-    cache1 = torch.empty(num_pairs, two_i, dtype=dtype, device=device)
+    fuse = bool(config.get("FUSE_ACT", False))
+    cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
     out = torch.empty(t_dim, h_dim, dtype=dtype, device=device)
     if split == 1 and top_k == 1:
@@ -575,9 +579,15 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     with guard:
         sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids.contiguous(), block_m, e_dim,
                                                                _max_padded(num_pairs, block_m, e_dim))
-        fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, sorted_ids, expert_ids, num_post,
-                                  top_k=top_k, mul_routed_weight=False, config=config)
-        fk.invoke_act_and_mul(cache1, cache2, _ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
+        if fuse:  # GEMM1 and the activation in one launch
+            fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, sorted_ids, expert_ids, num_post,
+                                      top_k=top_k, mul_routed_weight=False, config=config,
+                                      fuse_act=_ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
+        else:
+            fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, sorted_ids, expert_ids, num_post,
+                                      top_k=top_k, mul_routed_weight=False, config=config)
+            fk.invoke_act_and_mul(cache1, cache2, _ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA,
+                                  limit=SWIGLUOAI_LIMIT)
         fk.invoke_fused_moe_w8a16(cache2, w2, cache3, scale2, bias2, flat_w, sorted_ids, expert_ids, num_post,
                                   top_k=1, mul_routed_weight=not apply_router_weight_on_input, config=config,
                                   split_k=split)

@@ -11,7 +11,7 @@ A table is a JSON file ``expq/kernels/configs/<GPU>.json``, ``<GPU>`` being ``no
       "shapes": {
         "E=128,H=2048,I=768,top_k=8,dtype=bfloat16": {
           "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                "num_warps": 4, "num_stages": 4, "SPLIT_K": 4, "SWAP_AB": true},
+                "num_warps": 4, "num_stages": 4, "SPLIT_K": 4, "SWAP_AB": true, "FUSE_ACT": false},
           "8": {...}, ...
         }
       }
@@ -20,10 +20,10 @@ A table is a JSON file ``expq/kernels/configs/<GPU>.json``, ``<GPU>`` being ``no
 ``lookup`` answers for a CUDA device only, and only when its GPU has a file and the exact (E, H, I, top_k, dtype)
 is in it; the token bucket is the nearest key to the token count (``abs(bucket - T)``, ties to the smaller
 bucket: vLLM's rule for its own tuned files). Otherwise it returns None and ``get_config`` keeps its built-in
-default. An entry may leave out ``SPLIT_K`` and ``SWAP_AB`` (tables written before the kernel had them): they are
-then 1 and false (``CONFIG_DEFAULTS``); ``lookup`` always returns all eight keys. A file whose ``measured`` is not
-``true``, of another format, or with a malformed entry is ignored as a whole (one warning), never half-used.
-Files are read once per process.
+default. An entry may leave out ``SPLIT_K``, ``SWAP_AB`` and ``FUSE_ACT`` (tables written before the kernel had
+them): they are then 1, false and false (``CONFIG_DEFAULTS``); ``lookup`` always returns all nine keys. A file
+whose ``measured`` is not ``true``, of another format, or with a malformed entry is ignored as a whole (one
+warning), never half-used. Files are read once per process.
 
 ``EXPQ_KERNEL_CONFIGS``: a directory searched before the package's own (to try a freshly tuned table before it is
 committed); the value ``off`` disables tables altogether.
@@ -44,11 +44,12 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ENV = "EXPQ_KERNEL_CONFIGS"
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K",
-               "SWAP_AB")
+               "SWAP_AB", "FUSE_ACT")
 """The knobs a table entry sets: exactly those of ``get_config`` (the kernel has no other). SPLIT_K: split-K factor
-of GEMM2 (the down projection) only, 1 = no split; SWAP_AB: every tile computed transposed (both GEMMs)."""
+of GEMM2 (the down projection) only, 1 = no split; SWAP_AB: every tile computed transposed (both GEMMs); FUSE_ACT:
+GEMM1 stores act(gate) * up itself (no activation launch; needs SWAP_AB false)."""
 
-CONFIG_DEFAULTS = {"SPLIT_K": 1, "SWAP_AB": False}
+CONFIG_DEFAULTS = {"SPLIT_K": 1, "SWAP_AB": False, "FUSE_ACT": False}
 """The knobs an entry may leave out, and the value they then take (what the kernel did before it had them)."""
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -76,11 +77,11 @@ def _pow2(v) -> bool:
 
 def check_config(cfg) -> dict:
     """A table entry as ``get_config`` returns it (a new dict of all ``CONFIG_KEYS``, in that order), or ValueError
-    saying what is wrong. Every key of ``CONFIG_KEYS`` present except those of ``CONFIG_DEFAULTS`` (SPLIT_K and
-    SWAP_AB, which take their defaults 1 and False when absent), no other key; block sizes powers of two >= 16
-    (``tl.dot``), GROUP_SIZE_M an integer >= 1, num_warps a power of two in [1, 32], num_stages an integer in [1, 8],
-    SPLIT_K a power of two in [1, 16], SWAP_AB a bool (JSON true / false, not 0 / 1). Integers are ``int``, never
-    ``bool``."""
+    saying what is wrong. Every key of ``CONFIG_KEYS`` present except those of ``CONFIG_DEFAULTS`` (SPLIT_K,
+    SWAP_AB and FUSE_ACT, which take their defaults 1, False and False when absent), no other key; block sizes powers
+    of two >= 16 (``tl.dot``), GROUP_SIZE_M an integer >= 1, num_warps a power of two in [1, 32], num_stages an
+    integer in [1, 8], SPLIT_K a power of two in [1, 16], SWAP_AB and FUSE_ACT bools (JSON true / false, not 0 / 1),
+    not both true. Integers are ``int``, never ``bool``."""
     if not isinstance(cfg, dict):
         raise ValueError(f"expected an object, got {type(cfg).__name__}")
     missing = [k for k in CONFIG_KEYS if k not in cfg and k not in CONFIG_DEFAULTS]
@@ -100,8 +101,11 @@ def check_config(cfg) -> dict:
         raise ValueError(f"num_stages: expected an integer in [1, 8], got {st!r}")
     if not _pow2(cfg["SPLIT_K"]) or cfg["SPLIT_K"] > 16:
         raise ValueError(f"SPLIT_K: expected a power of two in [1, 16], got {cfg['SPLIT_K']!r}")
-    if not isinstance(cfg["SWAP_AB"], bool):
-        raise ValueError(f"SWAP_AB: expected true or false, got {cfg['SWAP_AB']!r}")
+    for k in ("SWAP_AB", "FUSE_ACT"):
+        if not isinstance(cfg[k], bool):
+            raise ValueError(f"{k}: expected true or false, got {cfg[k]!r}")
+    if cfg["SWAP_AB"] and cfg["FUSE_ACT"]:
+        raise ValueError("FUSE_ACT: needs SWAP_AB false (the fused activation is written for untransposed tiles)")
     return {k: cfg[k] for k in CONFIG_KEYS}
 
 
