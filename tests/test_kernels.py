@@ -184,6 +184,21 @@ def test_align_triton_kernel_equals_torch(interpret, t, top_k, num_experts, bloc
     check_alignment(topk_ids, block, num_experts, *got)
 
 
+def test_bfloat16_through_the_interpreter_is_refused():
+    args, kwargs = make_problem(t=3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 on CPU"):
+        moe_mod.fused_moe_triton(*args, **kwargs)
+
+
+def test_split_k_buffer_is_bounded(monkeypatch):
+    # a SPLIT_K that a table's nearest bucket hands to a large batch is halved until its fp32 partials fit
+    args, kwargs = make_problem(t=21, top_k=2, seed=45)
+    cfg = dict(moe_mod.get_config(21, E, 2, "cpu"), SPLIT_K=2)
+    want = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, SPLIT_K=1))
+    monkeypatch.setattr(moe_mod, "SPLIT_K_MAX_BYTES", 21 * 2 * H * 4 * 2 - 1)  # one byte short of SPLIT_K 2
+    assert torch.equal(moe_mod.fused_moe_triton(*args, **kwargs, config=cfg), want)
+
+
 def test_align_triton_kernel_skewed_and_bad_ids(interpret):
     # every pair on the last expert (the others empty), duplicates within a token
     topk_ids = torch.full((9, 2), 4, dtype=torch.int32)
@@ -191,7 +206,14 @@ def test_align_triton_kernel_skewed_and_bad_ids(interpret):
     for r, o in zip(ref, moe_mod.moe_align_block_size(topk_ids, 4, 5, backend="triton")):
         assert torch.equal(o, r)
     # an id outside [0, E) is left out of every group (the torch backend refuses it on CPU: scatter index error)
-    bad = torch.tensor([[0, 7], [1, -1]], dtype=torch.int32)
+    for dt in (torch.int32, torch.int64):
+        bad = torch.tensor([[0, 7], [1, -1]], dtype=dt)
+        sorted_ids, expert_ids, num_post = moe_mod.moe_align_block_size(bad, 2, 3, backend="triton")
+        assert int(num_post) == 4 and sorted_ids[:4].tolist() == [0, 4, 2, 4]
+    # int64 ids are range-checked before any narrowing: 2^32 + 1 is not expert 1
+    wide = torch.tensor([[0, 2**32 + 1], [1, -(2**32)]], dtype=torch.int64)
+    sorted_ids, _, num_post = moe_mod.moe_align_block_size(wide, 2, 3, backend="triton")
+    assert int(num_post) == 4 and sorted_ids[:4].tolist() == [0, 4, 2, 4]
     sorted_ids, expert_ids, num_post = moe_mod.moe_align_block_size(bad, 2, 3, backend="triton")
     assert int(num_post) == 4 and expert_ids[:2].tolist() == [0, 1]
     assert sorted_ids[:4].tolist() == [0, 4, 2, 4]
@@ -339,7 +361,7 @@ def test_empty_experts_duplicates_and_sparse_path():
     ref = moe_reference(*dup)
     for backend in ("triton", "torch"):
         assert_close_to_reference(run(backend, dup, {}), ref, torch.float16, f"{backend} duplicates")
-    # few pairs, many experts: the unsorted one-block-per-pair path (T*top_k*4 <= E)
+    # few pairs, many experts (T*top_k*4 <= E, where vLLM skips the sort): mostly one-pair blocks
     args, kwargs = make_problem(e=16, t=2, top_k=2, seed=10, bias=True)
     assert_close_to_reference(moe_mod.fused_moe_triton(*args, **kwargs), moe_reference(*args, **kwargs),
                               torch.float16, "sparse path")
@@ -425,6 +447,7 @@ def test_split_k_even_k_and_on_input():
 
 
 @pytest.mark.parametrize("bad,key", [(dict(SPLIT_K=3), "SPLIT_K"), (dict(BLOCK_SIZE_N=48), "BLOCK_SIZE_N"),
+                                     (dict(BLOCK_SIZE_M=2**21), "BLOCK_SIZE_M"), (dict(GROUP_SIZE_M=10**12), "GROUP"),
                                      (dict(SWAP_AB="yes"), "SWAP_AB"), (dict(FUSE_ACT=1), "FUSE_ACT"),
                                      (dict(FUSE_ACT=True, SWAP_AB=True), "FUSE_ACT")])
 def test_bad_config_is_refused(bad, key):

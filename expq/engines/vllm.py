@@ -258,10 +258,12 @@ def _method_class(api: SimpleNamespace) -> type:
             if getattr(layer, "_already_called_process_weights_after_loading", False):
                 return
             if self.loader is None:
-                seen = _STATE.get("routing")
-                why = ("vLLM's default loader never ran (the plugin routes expert tensors there only)"
-                       if seen is None else f"the default loader ran for quantization {seen!r}, not "
-                       f"{QUANT_METHOD!r}" if seen != QUANT_METHOD else "the routing found no such layer")
+                if "routing" not in _STATE:
+                    why = "vLLM's default loader never ran (the plugin routes expert tensors there only)"
+                elif _STATE["routing"] != QUANT_METHOD:
+                    why = f"the default loader ran for quantization {_STATE['routing']!r}, not {QUANT_METHOD!r}"
+                else:
+                    why = "the routing found no such layer"
                 raise SourceError(f"{getattr(layer, 'layer_name', 'a MoE layer')}: no expq expert tensor was "
                                   f"loaded: {why}", hint="serve with --load-format auto or safetensors")
             self.loader.check_complete()
@@ -328,15 +330,16 @@ def _warn_dtype(ck, model_config) -> None:
 def checkpoint_dir(model_config, download_dir: str | None = None) -> Path:
     """The local directory of ``model_config.model``: itself when it is a directory, else the Hub snapshot
     (``model_config.revision``) in the cache vLLM downloaded it to: the JSON files (index, expq.json, config) and
-    the safetensors shards, which vLLM has fetched into that cache already (so nothing is downloaded twice; a
-    checkpoint without an index is read through its one shard's header)."""
+    the safetensors shards (not ``original/``), which vLLM has fetched into that cache already (so nothing is
+    downloaded twice; a checkpoint without an index is read through its one shard's header)."""
     path = Path(model_config.model)
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(model_config.model, revision=getattr(model_config, "revision", None),
-                                  cache_dir=download_dir, allow_patterns=["*.json", "*.safetensors"]))
+                                  cache_dir=download_dir, allow_patterns=["*.json", "*.safetensors"],
+                                  ignore_patterns=["original/**/*"]))  # as vLLM's own download
 
 
 def attach_loaders(model: torch.nn.Module, ck, api: SimpleNamespace | None = None,

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-# The kernels call only builtins of triton.language, no @triton.jit helpers (tl.cdiv, tl.sigmoid, tl.zeros, ...):
-# those are compiled-mode objects when Triton was imported without TRITON_INTERPRET, and cannot run inside the
-# interpreted twin that CPU tensors use (see _kernel_for).
+# The kernels call builtins of triton.language and this module's helpers of _CALLED_HELPERS only, no other
+# @triton.jit helpers (tl.cdiv, tl.sigmoid, tl.zeros, tl.sum, ...): those are compiled-mode objects when Triton was
+# imported without TRITON_INTERPRET, and cannot run inside the interpreted twin that CPU tensors use (see _twin,
+# which gives this module's own helpers interpreted twins as well).
 
 
 
@@ -231,7 +232,7 @@ def fused_moe_w8a16_kernel(
     if MUL_ROUTED_WEIGHT:
         moe_weight = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
     offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)
-    c_base = c_ptr + pid_k * stride_cs
+    c_base = c_ptr + pid_k.to(tl.int64) * stride_cs  # int64: split offsets pass 2^31 elements on large problems
     if SWAP_AB:
         accumulator = accumulator * b_scale[:, None]
         if HAS_BIAS:
@@ -284,7 +285,8 @@ def moe_sum_kernel(
         pair = x_ptr + (row * TOP_K + k) * stride_xm + cols
         v = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
         for s in range(1, SPLITS):
-            v += tl.load(pair + s * stride_xs, mask=mask, other=0.0)
+            # (row * 0 + s): the split index as int64 (row is), since S * num_pairs * N may pass 2^31
+            v += tl.load(pair + (row * 0 + s) * stride_xs, mask=mask, other=0.0)
         if SPLITS > 1:
             v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc += v
@@ -316,8 +318,8 @@ def moe_align_kernel(
     before = tl.full((NB,), 0, tl.int32)
     for start in range(0, numel, HCHUNK):
         offs = start + tl.arange(0, HCHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
-        ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
+        ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
         counts += tl.histogram(ids, NB)
         before += tl.histogram(tl.where(offs < chunk_start, ids, num_experts), NB)
     real = bins < num_experts
@@ -334,8 +336,8 @@ def moe_align_kernel(
     tl.debug_barrier()
     lane = tl.arange(0, CHUNK)
     offs = chunk_start + lane
-    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
-    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)  # compared in their own dtype (int64 too)
+    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
     rank = tl.reduce(((ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), 1, _ADD)
     pos = tl.load(row + ids) + rank
     tl.store(sorted_token_ids_ptr + pos, offs.to(tl.int32), mask=ids < num_experts)

@@ -173,8 +173,9 @@ def _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, top
     for name, t in named:
         if t is not None and t.device != device:
             raise ValueError(f"{name}: on {t.device}, but hidden_states is on {device}")
-    # Range of expert ids: checked where it costs no device synchronisation (CPU). On CUDA an id outside [0, E)
-    # makes a device-side index error in the sort.
+    # Range of expert ids: checked where it costs no device synchronisation (CPU). On CUDA it is not checked: the
+    # Triton sort leaves such a pair out, and the token's output is then undefined (the torch backend raises a
+    # device-side index error).
     if device.type == "cpu" and topk_ids.numel() > 0:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= e_dim:
@@ -364,6 +365,12 @@ def _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
 # Triton backend: token sort, block sizes, the pipeline.
 
 
+def _device_guard(device: torch.device):
+    """Triton launches on the current CUDA device: switch to ``device`` only when the tensors live on another one."""
+    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+    return torch.cuda.device(device) if switch else contextlib.nullcontext()
+
+
 def _max_padded(numel: int, block_size: int, num_experts: int) -> int:
     """moe_align_block_size's bound on the padded length (see its docstring)."""
     bound = min(numel + num_experts * (block_size - 1), numel * block_size)
@@ -407,7 +414,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if select_backend(device, backend) == "triton" and numel > 0:
         from . import fused_moe_triton as fk
 
-        return fk.invoke_moe_align(topk_ids.contiguous(), block_size, num_experts, max_padded)
+        with _device_guard(device):
+            return fk.invoke_moe_align(topk_ids.contiguous(), block_size, num_experts, max_padded)
     flat = topk_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -506,6 +514,10 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, device=None, *, hi
 
 _ACT_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
 
+SPLIT_K_MAX_BYTES = 256 * 2**20
+"""Largest fp32 split-K partial buffer (SPLIT_K x T*top_k x H x 4 bytes) the pipeline allocates: a larger SPLIT_K is
+halved until it fits (SPLIT_K is for decode-sized batches; a table's nearest bucket may hand it to a big one)."""
+
 
 def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
                      w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None) -> torch.Tensor:
@@ -546,6 +558,9 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     i_dim = two_i // 2
     if t_dim == 0:
         return hidden_states.new_zeros(0, h_dim)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        raise ValueError("hidden_states: bfloat16 on CPU runs in Triton's interpreter, whose bfloat16 arithmetic is "
+                         "wrong; use float16 / float32 there, or backend='torch'")
     if config is None:
         config = get_config(t_dim, e_dim, top_k, device, hidden_size=h_dim, intermediate_size=i_dim, dtype=dtype)
     num_pairs = t_dim * top_k
@@ -562,6 +577,8 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
 
     block_m = config["BLOCK_SIZE_M"]
     split = max(1, min(config.get("SPLIT_K", 1), -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
+    while split > 1 and split * num_pairs * h_dim * 4 > SPLIT_K_MAX_BYTES:  # a decode knob: never a huge buffer
+        split //= 2
     fuse = bool(config.get("FUSE_ACT", False))
     cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
@@ -573,10 +590,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     else:
         cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
 
-    # Triton launches on the current CUDA device: switch only when the tensors live on another one.
-    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
-    guard = torch.cuda.device(device) if switch else contextlib.nullcontext()
-    with guard:
+    with _device_guard(device):
         sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids.contiguous(), block_m, e_dim,
                                                                _max_padded(num_pairs, block_m, e_dim))
         if fuse:  # GEMM1 and the activation in one launch
@@ -611,6 +625,8 @@ def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, to
         w13_scale: float32 [E, 2I], w2_scale: float32 [E, H]: per-output-row scales (weight = code * scale).
         topk_weights: [T, top_k] router weights (float32 or the activation dtype; used in fp32).
         topk_ids: [T, top_k] int32 / int64 expert ids in [0, E). The same expert twice for a token is computed twice.
+            On CUDA the range is not checked (no synchronisation): an id outside it gives an undefined output for
+            that token.
         activation: one of ``ACTIVATIONS`` (see ``act_and_mul``), applied to g = first I, u = last I columns of
             GEMM1's output after scale and bias.
         w13_bias: optional [E, 2I], w2_bias: optional [E, H] expert biases (any float dtype; used in fp32).
@@ -624,7 +640,8 @@ def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, to
     Raises:
         ValueError: a wrong shape or dtype (the message names the argument), an unknown activation or backend,
             apply_router_weight_on_input with top_k > 1, tensors on different devices, expert ids out of range
-            (checked on CPU only, where it costs no synchronisation), or backend 'triton' where it cannot run.
+            (checked on CPU only, where it costs no synchronisation: on CUDA such a token's output is undefined),
+            backend 'triton' where it cannot run, or bfloat16 through the Triton interpreter (CPU).
 
     The arithmetic is vLLM's ``fused_experts`` with ``use_int8_w8a16=True`` (``fused_moe.py``, the Triton
     ``fused_moe_kernel`` and its ``invoke_fused_moe_kernel`` pipeline, as used by ``experts_int8``): int8 tiles

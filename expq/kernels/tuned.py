@@ -10,8 +10,8 @@ A table is a JSON file ``expq/kernels/configs/<GPU>.json``, ``<GPU>`` being ``no
       "meta": {"tuner": "bench/tune_kernel.py", "triton": "3.6.0", "torch": "2.11.0", "date": "...", ...},
       "shapes": {
         "E=128,H=2048,I=768,top_k=8,dtype=bfloat16": {
-          "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                "num_warps": 4, "num_stages": 4, "SPLIT_K": 4, "SWAP_AB": true, "FUSE_ACT": false},
+          "1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 256, "GROUP_SIZE_M": 1,
+                "num_warps": 8, "num_stages": 3, "SPLIT_K": 1, "SWAP_AB": false, "FUSE_ACT": false},
           "8": {...}, ...
         }
       }
@@ -79,7 +79,8 @@ def check_config(cfg) -> dict:
     """A table entry as ``get_config`` returns it (a new dict of all ``CONFIG_KEYS``, in that order), or ValueError
     saying what is wrong. Every key of ``CONFIG_KEYS`` present except those of ``CONFIG_DEFAULTS`` (SPLIT_K,
     SWAP_AB and FUSE_ACT, which take their defaults 1, False and False when absent), no other key; block sizes powers
-    of two >= 16 (``tl.dot``), GROUP_SIZE_M an integer >= 1, num_warps a power of two in [1, 32], num_stages an
+    of two in [16, 256] (BLOCK_SIZE_K [16, 512]; 16 is ``tl.dot``'s least), GROUP_SIZE_M an integer in [1, 1024],
+    num_warps a power of two in [1, 32], num_stages an
     integer in [1, 8], SPLIT_K a power of two in [1, 16], SWAP_AB and FUSE_ACT bools (JSON true / false, not 0 / 1),
     not both true. Integers are ``int``, never ``bool``."""
     if not isinstance(cfg, dict):
@@ -89,11 +90,12 @@ def check_config(cfg) -> dict:
     if missing or extra:
         raise ValueError(f"keys: missing {missing}, unknown {extra}")
     cfg = {**CONFIG_DEFAULTS, **cfg}
-    for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
-        if not _pow2(cfg[k]) or cfg[k] < 16:
-            raise ValueError(f"{k}: expected a power of two >= 16, got {cfg[k]!r}")
-    if not isinstance(cfg["GROUP_SIZE_M"], int) or isinstance(cfg["GROUP_SIZE_M"], bool) or cfg["GROUP_SIZE_M"] < 1:
-        raise ValueError(f"GROUP_SIZE_M: expected an integer >= 1, got {cfg['GROUP_SIZE_M']!r}")
+    for k, top in (("BLOCK_SIZE_M", 256), ("BLOCK_SIZE_N", 256), ("BLOCK_SIZE_K", 512)):
+        if not _pow2(cfg[k]) or not 16 <= cfg[k] <= top:
+            raise ValueError(f"{k}: expected a power of two in [16, {top}], got {cfg[k]!r}")
+    g = cfg["GROUP_SIZE_M"]
+    if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= 1024:
+        raise ValueError(f"GROUP_SIZE_M: expected an integer in [1, 1024], got {g!r}")
     if not _pow2(cfg["num_warps"]) or cfg["num_warps"] > 32:
         raise ValueError(f"num_warps: expected a power of two <= 32, got {cfg['num_warps']!r}")
     st = cfg["num_stages"]
@@ -169,7 +171,7 @@ def load_table(gpu_name: str) -> dict | None:
         try:
             table = _parse(json.loads(path.read_text()), path)
             break
-        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        except (OSError, ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
             warnings.warn(f"expq: ignoring the kernel config table {path}: {e}", RuntimeWarning, stacklevel=2)
     _CACHE[cache_key] = table
     return table
