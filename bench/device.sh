@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The H200 session's device calls as named steps (issues 12, 13), so that each `run` is one short command issued
+# within the machine's 30 s idle window. Run from the repo root on the device machine; results go to $OUT.
+#
+#   bash bench/device.sh stage 00      # carry [".vllm/bundle.part-00", ".vllm/bundle.sha256"]
+#   bash bench/device.sh stage 01      # carry [".vllm/bundle.part-01"]
+#   bash bench/device.sh install       # carry [".vllm/bundle.part-02", ".whl-min"]: vLLM 0.24 + expq's wheel
+#   bash bench/device.sh kernel-tune   # GPU kernel tests, then bench/tune_kernel.py (one call, ~5 min)
+#   bash bench/device.sh kernel-compare  # needs install: compare with vLLM, profile, end to end (~5 min)
+#   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
+#
+# .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
+# markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
+# vllm.general_plugins entry point). `vllm serve` from that bundle imports model_hosting_container_standards, which
+# the bundle lacks: `install` puts an empty stand-in for it under /tmp/stub (SageMaker hooks only).
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+STAGE=/tmp/stage
+export VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_DIR=$PWD/build/triton-cache
+vllm_env() { export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/stub:/tmp/site:$PWD; }
+
+case "${1:-}" in
+  stage)
+    mkdir -p "$STAGE"
+    cp ".vllm/bundle.part-$2" "$STAGE/"
+    [ -f .vllm/bundle.sha256 ] && cp .vllm/bundle.sha256 "$STAGE/"
+    ls "$STAGE" ;;
+  install)
+    cp .vllm/bundle.part-02 "$STAGE/"
+    (cd "$STAGE" && sha256sum -c --quiet bundle.sha256 && mkdir -p x /tmp/site /tmp/site.whl \
+      && cat bundle.part-* | tar -xf - -C x \
+      && python3 -c "import tarfile; tarfile.open('x/vllm.tar.xz', 'r:xz').extractall('/tmp/site')" \
+      && tar -xf x/deps.tar -C /tmp/site.whl \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+           /tmp/site.whl/*.whl)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl-min/*.whl
+    mkdir -p /tmp/bin /tmp/stub/model_hosting_container_standards/sagemaker
+    printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/bin/vllm
+    chmod +x /tmp/bin/vllm
+    touch /tmp/stub/model_hosting_container_standards/__init__.py
+    printf 'def __getattr__(name):\n    def f(*a, **k):\n        if len(a) == 1 and callable(a[0]) and not k:\n            return a[0]\n        return lambda g=None, *x, **y: g\n    return f\n' \
+      > /tmp/stub/model_hosting_container_standards/sagemaker/__init__.py
+    vllm_env
+    python3 -c "import vllm, expq.engines.vllm as p; print('vllm', vllm.__version__)" ;;
+  kernel-tune)
+    export PYTHONPATH=$PWD
+    mkdir -p "$OUT/tune"
+    timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -15 || true
+    python3 bench/tune_kernel.py --out build/tune --budget-s "${BUDGET_S:-380}" 2> "$OUT/tune/log.txt" | tail -3
+    cp build/tune/*.json "$OUT/tune/" ;;
+  kernel-compare)
+    vllm_env
+    [ -f build/tune/NVIDIA_H200.json ] && export EXPQ_KERNEL_CONFIGS=$PWD/build/tune
+    timeout 300 python3 bench/bench_kernel.py --compare --md "$OUT/compare.md" --json "$OUT/compare.json" \
+      2> "$OUT/compare.err" | tail -30 || true
+    timeout 120 python3 bench/profile_kernel.py --iters 10 --json "$OUT/prof.json" --md "$OUT/prof.md" 2>&1 \
+      | grep -v '^{' | tail -30 || true
+    timeout 150 python3 bench/bench_kernel.py --e2e --json "$OUT/e2e.json" 2>&1 | tail -8 || true ;;
+  issue12)
+    vllm_env
+    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider 2>&1 \
+      | grep -E "passed|failed|^E " | tail -30 || true
+    EXPQ_VC_GPU_UTIL=0.5 timeout 330 python3 bench/vllm_compare.py /tmp/big --families mixtral \
+      --set mixtral.hidden_size=4096 --set mixtral.intermediate_size=14336 --set mixtral.num_hidden_layers=2 \
+      --set mixtral.num_attention_heads=32 --set mixtral.num_key_value_heads=8 --runs online,converted \
+      --parallel 1 --prepare-timeout 200 --budget 320 2>&1 | tail -30 || true
+    cp /tmp/big/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
+  *)
+    sed -n '2,14p' "$0"; exit 2 ;;
+esac
