@@ -54,6 +54,14 @@ SHAPES = {
 TOKENS = (1, 8, 32, 128, 1024, 4096)
 
 
+def add_point_args(parser, shapes_help=None) -> None:
+    """The arguments that pick the points (shapes, token counts, activation dtype), shared by the kernel scripts."""
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES),
+                        help=shapes_help or f"subset of {list(SHAPES)} (prefix ok)")
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+
+
 def log(msg):
     print(f"# {msg}", file=sys.stderr, flush=True)
 
@@ -466,9 +474,7 @@ def main():
     import triton
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"subset of {list(SHAPES)} (prefix ok)")
-    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    add_point_args(parser)
     parser.add_argument("--no-baseline", action="store_true", help="time only the int8 kernel")
     parser.add_argument("--no-error", action="store_true", help="skip the fp32 reference")
     parser.add_argument("--no-graph", action="store_true", help="eager timing only")

@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_kernel import SHAPES, TOKENS, copy_bandwidth, graph_time, make_routing, make_weights  # noqa: E402
+from bench_kernel import (SHAPES, add_point_args, copy_bandwidth, graph_time, make_routing,  # noqa: E402
+                          make_weights)
 
 from expq.kernels import moe  # noqa: E402
 
@@ -117,15 +118,14 @@ def invariance(x, w13, w2, s13, s2, tw, ti, tokens, e, h, i, top_k, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
-    ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    add_point_args(ap)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_kernel.py needs a CUDA GPU")
-    dtype = torch.bfloat16
+    dtype = getattr(torch, a.dtype)
     copy_gbs = copy_bandwidth()
     rows = []
     for name in [n for n in SHAPES if any(n.startswith(s) for s in a.shapes)]:

@@ -75,7 +75,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_kernel import SHAPES, TOKENS, graph_time, make_routing, make_weights  # noqa: E402
+from bench_kernel import SHAPES, TOKENS, add_point_args, graph_time, make_routing, make_weights  # noqa: E402, F401
 
 from expq.kernels import moe, moe_reference  # noqa: E402
 from expq.kernels import tuned  # noqa: E402
@@ -390,9 +390,7 @@ def main():
     import triton
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help=f"{list(SHAPES)} (prefix ok) or E,H,I,top_k")
-    ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    add_point_args(ap, shapes_help=f"{list(SHAPES)} (prefix ok) or E,H,I,top_k")
     ap.add_argument("--out", default="build/tune", help="folder of the table and the raw results (resume state)")
     ap.add_argument("--budget-s", type=float, default=math.inf, help="stop starting work after this wall time")
     ap.add_argument("--quick", action="store_true",

@@ -486,7 +486,7 @@ def invoke_moe_align(topk_ids, block_size, num_experts, max_padded):
     int32 / int64), computed on the device without synchronising (``max_padded`` is the caller's bound).
 
     Ids outside [0, num_experts) are left out of every group (their pairs are never computed)."""
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1)  # a contiguous copy when topk_ids is not contiguous
     numel = flat.numel()
     device = flat.device
     nb = triton.next_power_of_2(num_experts + 1)

@@ -415,7 +415,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         from . import fused_moe_triton as fk
 
         with _device_guard(device):
-            return fk.invoke_moe_align(topk_ids.contiguous(), block_size, num_experts, max_padded)
+            return fk.invoke_moe_align(topk_ids, block_size, num_experts, max_padded)
     flat = topk_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -591,7 +591,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
         cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
 
     with _device_guard(device):
-        sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids.contiguous(), block_m, e_dim,
+        sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
                                                                _max_padded(num_pairs, block_m, e_dim))
         if fuse:  # GEMM1 and the activation in one launch
             fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, sorted_ids, expert_ids, num_post,
