@@ -390,7 +390,8 @@ E2E_CONFIG = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, 
 def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
     """Build a Qwen3-30B-A3B-shaped checkpoint (random N(0, 0.02) bf16 weights, ``layers`` decoder layers, small
     vocabulary), convert it with expq (experts_int8 format), and time full forwards (``use_cache=False``, eager,
-    CUDA events, median of ``reps``) of the bf16 model (transformers' own experts) and of expq.load_model's model
+    CUDA events, median of ``reps``; also the host time of issuing each eager forward, and the forward replayed as
+    a CUDA graph where it can be captured) of the bf16 model (transformers' own experts) and of expq.load_model's model
     (int8 experts through expq's kernel): a decode-shaped batch (``decode_batch`` sequences of 1 token) and one
     prefill (1 sequence of ``prefill_len`` tokens). Reports tokens/s (tokens per forward / time) and int8 / bf16."""
     import statistics
@@ -421,18 +422,23 @@ def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
     log(f"e2e: checkpoint built and converted in {time.perf_counter() - t0:.1f}s ({layers} layers)")
 
     def bench(model, ids):
+        """(eager seconds, host seconds to issue the eager forward, CUDA-graph seconds or None) per forward."""
         with torch.inference_mode():
             for _ in range(2):
                 model(input_ids=ids, use_cache=False)
-            ts = []
+            ts, host = [], []
             for _ in range(reps):
+                torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                h0 = time.perf_counter()
                 a.record()
                 model(input_ids=ids, use_cache=False)
                 b.record()
+                host.append(time.perf_counter() - h0)
                 torch.cuda.synchronize()
                 ts.append(a.elapsed_time(b) / 1e3)
-        return ids.numel() / statistics.median(ts), statistics.median(ts)
+            graph_us = graph_time(lambda: model(input_ids=ids, use_cache=False), 200)
+        return statistics.median(ts), statistics.median(host), None if graph_us is None else graph_us / 1e6
 
     g = torch.Generator(device="cuda").manual_seed(0)
     inputs = {"decode": torch.randint(0, cfg.vocab_size, (decode_batch, 1), device="cuda", generator=g),
@@ -446,19 +452,29 @@ def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
         model.eval()
         impl = getattr(model.config, "_experts_implementation", None)
         for kind, ids in inputs.items():
-            tps, sec = bench(model, ids)
-            results[(which, kind)] = dict(tokens_per_s=tps, seconds=sec, tokens=ids.numel(), experts_impl=impl)
-            log(f"e2e {which} {kind}: {tps:.0f} tokens/s ({sec * 1e3:.2f} ms per forward of {ids.numel()} tokens)")
+            sec, host, graph = bench(model, ids)
+            results[(which, kind)] = dict(tokens_per_s=ids.numel() / sec, seconds=sec, host_seconds=host,
+                                          graph_seconds=graph,
+                                          graph_tokens_per_s=None if graph is None else ids.numel() / graph,
+                                          tokens=ids.numel(), experts_impl=impl)
+            log(f"e2e {which} {kind}: {ids.numel() / sec:.0f} tokens/s eager ({sec * 1e3:.2f} ms per forward of "
+                f"{ids.numel()} tokens, {host * 1e3:.2f} ms of it issuing on the host); CUDA graph: "
+                + ("not capturable" if graph is None else f"{graph * 1e3:.2f} ms"))
         del model
         torch.cuda.empty_cache()
     lines = [f"e2e: Qwen3-30B-A3B-shaped, {layers} layers, bf16 activations; "
              f"transformers {transformers.__version__}; forward without KV cache, median of {reps}", "",
-             "| forward | tokens | bf16 tokens/s | int8 (expq) tokens/s | int8 / bf16 |", "|---|---|---|---|---|"]
+             "| forward | tokens | mode | bf16 tokens/s | int8 (expq) tokens/s | int8 / bf16 | host ms bf16 / int8 |",
+             "|---|---|---|---|---|---|---|"]
     for kind, ids in inputs.items():
         b, i8 = results[("bf16", kind)], results[("int8", kind)]
         label = f"decode batch {decode_batch}" if kind == "decode" else f"prefill {prefill_len}"
-        lines.append(f"| {label} | {ids.numel()} | {b['tokens_per_s']:.0f} | {i8['tokens_per_s']:.0f} | "
-                     f"{i8['tokens_per_s'] / b['tokens_per_s']:.2f}x |")
+        lines.append(f"| {label} | {ids.numel()} | eager | {b['tokens_per_s']:.0f} | {i8['tokens_per_s']:.0f} | "
+                     f"{i8['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+                     f"{b['host_seconds'] * 1e3:.2f} / {i8['host_seconds'] * 1e3:.2f} |")
+        bg, ig = b["graph_tokens_per_s"], i8["graph_tokens_per_s"]
+        lines.append(f"| {label} | {ids.numel()} | CUDA graph | {'-' if bg is None else f'{bg:.0f}'} | "
+                     f"{'-' if ig is None else f'{ig:.0f}'} | {'-' if None in (bg, ig) else f'{ig / bg:.2f}x'} | |")
     print("\n".join(lines))
     if json_path:
         Path(json_path).write_text(json.dumps(dict(

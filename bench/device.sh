@@ -59,8 +59,10 @@ case "${1:-}" in
     timeout 150 python3 bench/bench_kernel.py --e2e --json "$OUT/e2e.json" 2>&1 | tail -8 || true ;;
   issue12)
     vllm_env
-    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider 2>&1 \
-      | grep -E "passed|failed|^E " | tail -30 || true
+    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \
+      --basetemp=/tmp/pt 2>&1 | grep -E "passed|failed|^E " | tail -30 || true
+    mkdir -p "$OUT/serve"
+    for f in /tmp/pt/*/serve.log; do [ -f "$f" ] && cp "$f" "$OUT/serve/$(basename "$(dirname "$f")").log"; done
     EXPQ_VC_GPU_UTIL=0.5 timeout 330 python3 bench/vllm_compare.py /tmp/big --families mixtral \
       --set mixtral.hidden_size=4096 --set mixtral.intermediate_size=14336 --set mixtral.num_hidden_layers=2 \
       --set mixtral.num_attention_heads=32 --set mixtral.num_key_value_heads=8 --runs online,converted \

@@ -9,7 +9,8 @@ times under ``torch.profiler`` with L2 flushed before each run (a 256 MiB write,
 with the config ``get_config`` gives (the GPU's tuned table when there is one). Per launch in pipeline order
 (sort, GEMM1, activation, GEMM2, top-k sum) it reports the median GPU time in microseconds; for the GEMMs also the
 weight bandwidth (int8 bytes of the experts that have tokens / kernel time) as a fraction of the copy bandwidth
-measured in the same run, and the tensor throughput (2 * pairs * N * K / time, in TFLOP/s). "gaps" = the CUDA-graph
+measured in the same run, and the tensor throughput (2 * pairs * N * K / time, in TFLOP/s). "sort alone": the CUDA-graph
+time of the sort by itself with one launch and with two (``invoke_moe_align(passes=...)``). "gaps" = the CUDA-graph
 time of the whole pipeline (bench_kernel.graph_time) minus the sum of the kernel times: launch gaps and tails
 between dependent kernels that a graph does not remove.
 
@@ -37,7 +38,7 @@ from bench_kernel import (SHAPES, add_point_args, copy_bandwidth, graph_time, ma
 from expq.kernels import moe  # noqa: E402
 
 STEPS = ("sort", "gemm1", "act", "gemm2", "sum")
-KERNELS = {"moe_align_kernel": "sort", "fused_moe_w8a16_kernel": "gemm", "moe_act_and_mul_kernel": "act",
+KERNELS = {"moe_align_kernel": "sort", "moe_align_count_kernel": "sort", "fused_moe_w8a16_kernel": "gemm", "moe_act_and_mul_kernel": "act",
            "moe_sum_kernel": "sum"}
 
 
@@ -64,7 +65,10 @@ def profile_point(run, iters):
             kind = "gemm1" if gemms % 2 == 0 else "gemm2"
             gemms += 1
         times[kind].append(e.time_range.elapsed_us())
-    return times
+    # one value per iteration: a step of several launches (the two-pass sort) is their sum
+    per_iter = {s: len(v) // iters for s, v in times.items()}
+    return {s: [sum(v[j * per_iter[s]:(j + 1) * per_iter[s]]) for j in range(iters)] if v else []
+            for s, v in times.items()}
 
 
 def profile_shape(name, tokens, iters, dtype, copy_gbs):
@@ -83,11 +87,18 @@ def profile_shape(name, tokens, iters, dtype, copy_gbs):
         times = profile_point(run, iters)
         med = {s: (statistics.median(v) if v else 0.0) for s, v in times.items()}
         total_graph = graph_time(run, 50)
+        # the sort alone, one launch against two (moe_align_count_kernel first), CUDA-graph replay
+        from expq.kernels import fused_moe_triton as fk
+
+        bm = cfg["BLOCK_SIZE_M"]
+        bound = -(-min(t * top_k + e * (bm - 1), t * top_k * bm) // bm) * bm
+        sort_passes_us = {p: graph_time(lambda p=p: fk.invoke_moe_align(ti, bm, e, bound, passes=p), 20)
+                          for p in (1, 2)}
         active = int(torch.unique(ti).numel())
         pairs = t * top_k
         row = dict(shape=name, tokens=t, config=cfg, us=med, graph_us=total_graph,
                    gaps_us=None if total_graph is None else total_graph - sum(med.values()),
-                   active_experts=active, copy_gbs=copy_gbs)
+                   active_experts=active, copy_gbs=copy_gbs, sort_passes_us=sort_passes_us)
         for step, n, k in (("gemm1", 2 * i, h), ("gemm2", h, i)):
             us = med[step]
             if us > 0:
@@ -133,8 +144,9 @@ def main():
         torch.cuda.empty_cache()
     lines = [f"copy bandwidth {copy_gbs:.0f} GB/s; {torch.cuda.get_device_name()}; median of {a.iters} profiled runs, "
              "L2 flushed", "",
-             "| shape | T | sort | GEMM1 (%copy, TFLOP/s) | act | GEMM2 (%copy, TFLOP/s) | sum | gaps | graph |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | T | sort | GEMM1 (%copy, TFLOP/s) | act | GEMM2 (%copy, TFLOP/s) | sum | gaps | graph "
+             "| sort alone, 1 / 2 passes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "invariance" in r:
             continue
@@ -144,7 +156,8 @@ def main():
         gaps = "" if r["gaps_us"] is None else f"{r['gaps_us']:.1f}"
         graph = "" if r["graph_us"] is None else f"{r['graph_us']:.1f}"
         lines.append(f"| {r['shape']} | {r['tokens']} | {u['sort']:.1f} | {g1} | {u['act']:.1f} | {g2} | "
-                     f"{u['sum']:.1f} | {gaps} | {graph} |")
+                     f"{u['sum']:.1f} | {gaps} | {graph} | "
+                     + " / ".join("-" if v is None else f"{v:.1f}" for v in r["sort_passes_us"].values()) + " |")
     lines += ["", "Batch invariance of token 0 (vs computed alone): fraction of outputs that differ, max |diff| / norm",
               ""]
     lines += [f"- {r['shape']}: " + ", ".join(f"T={t}: {f:.3f}, {m:.1e}" for t, (f, m) in r["invariance"].items())

@@ -172,7 +172,9 @@ def test_naive_block_assignment_layout():
 @pytest.mark.parametrize("t,top_k,num_experts,block,dtype", [
     (1, 1, 4, 16, torch.int64), (5, 2, 8, 4, torch.int32), (33, 2, 6, 16, torch.int64),
     (40, 3, 5, 8, torch.int32), (7, 2, 64, 16, torch.int32), (100, 1, 3, 128, torch.int64),
-    # more pairs than one program places (ALIGN_CHUNK 128) and than one histogram step (1024)
+    # 4 chunks of ALIGN_CHUNK (128) pairs: one launch, several placing programs
+    (50, 8, 16, 16, torch.int64),
+    # more pairs than one histogram step (1024) and more chunks than ALIGN_ONE_PASS_CHUNKS: the two-pass sort
     (300, 8, 130, 64, torch.int32)])
 def test_align_triton_kernel_equals_torch(interpret, t, top_k, num_experts, block, dtype):
     g = torch.Generator().manual_seed(t + num_experts)
@@ -219,6 +221,25 @@ def test_align_triton_kernel_skewed_and_bad_ids(interpret):
     assert sorted_ids[:4].tolist() == [0, 4, 2, 4]
     with pytest.raises(RuntimeError):
         moe_mod.moe_align_block_size(bad, 2, 3, backend="torch")
+
+
+@pytest.mark.parametrize("numel,num_experts,block", [(2000, 130, 16), (129, 5, 4), (1500, 384, 64)])
+def test_align_one_pass_and_two_pass_agree(interpret, numel, num_experts, block):
+    # the one-launch sort (every program histograms all ids) and the two-pass sort (chunk histograms first) place
+    # every pair alike, bad ids (negative, >= E, past int32) in chunks other than the first included
+    from expq.kernels import fused_moe_triton as fk
+
+    g = torch.Generator().manual_seed(numel)
+    ids = torch.randint(0, num_experts, (numel,), generator=g)
+    ids[[0, numel // 2, numel - 1]] = torch.tensor([-1, num_experts, 2**32 + 1])
+    bound = -(-min(numel + num_experts * (block - 1), numel * block) // block) * block  # the documented bound
+    one = fk.invoke_moe_align(ids, block, num_experts, bound, passes=1)
+    two = fk.invoke_moe_align(ids, block, num_experts, bound, passes=2)
+    for name, a, b in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), one, two):
+        assert torch.equal(a, b), name
+    assert int(one[2]) == sum(-(-int((ids == e).sum()) // block) * block for e in range(num_experts))
+    with pytest.raises(ValueError, match="passes"):
+        fk.invoke_moe_align(ids, block, num_experts, bound, passes=3)
 
 
 # ------------------------------------------------------------------------------------------------------------------

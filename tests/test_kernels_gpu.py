@@ -166,13 +166,26 @@ def test_align_on_gpu_matches_cpu():
 @pytest.mark.parametrize("t,top_k,e", [(4096, 8, 256), (1, 8, 128), (300, 2, 8), (77, 4, 384)])
 @pytest.mark.parametrize("block", [16, 64])
 def test_align_kernel_equals_torch_at_scale(t, top_k, e, block):
-    # the one-launch Triton sort (every program histograms all ids) against the torch ops, bit for bit
+    # the Triton sort (one launch up to ALIGN_ONE_PASS_CHUNKS chunks, else two) against the torch ops, bit for bit
     g = torch.Generator().manual_seed(t + e)
     topk_ids = torch.randint(0, e, (t, top_k), generator=g).to(torch.int32)
     ref = moe_mod.moe_align_block_size(topk_ids, block, e, backend="torch")
     got = moe_mod.moe_align_block_size(topk_ids.cuda(), block, e)
     for r, o in zip(ref, got):
         assert torch.equal(r, o.cpu())
+
+
+@pytest.mark.parametrize("numel,e", [(32768, 256), (600, 8), (3072, 384)])
+def test_align_one_and_two_passes_agree_on_gpu(numel, e):
+    from expq.kernels import fused_moe_triton as fk
+
+    g = torch.Generator().manual_seed(numel)
+    ids = torch.randint(0, e, (numel,), generator=g)
+    ids[[0, numel // 2]] = torch.tensor([-3, e])
+    ids = ids.cuda()
+    bound = -(-min(numel + e * 15, numel * 16) // 16) * 16
+    for a, b in zip(fk.invoke_moe_align(ids, 16, e, bound, passes=1), fk.invoke_moe_align(ids, 16, e, bound, passes=2)):
+        assert torch.equal(a, b)
 
 
 KNOBS = [dict(SPLIT_K=s, SWAP_AB=w) for s in (1, 4) for w in (False, True)] + [

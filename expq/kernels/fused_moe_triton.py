@@ -294,6 +294,23 @@ def moe_sum_kernel(
 
 
 @triton.jit
+def moe_align_count_kernel(
+    topk_ids_ptr,  # [numel] int32 / int64 expert id of each (token, slot) pair
+    chunk_counts_ptr,  # out int32 [num_programs, NB]: the histogram of chunk p's ids (bin num_experts: masked / bad)
+    numel,
+    num_experts,
+    NB: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # The first pass of the two-pass sort: program p histograms the ids of pairs [p * CHUNK, (p + 1) * CHUNK).
+    pid = tl.program_id(axis=0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
+    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+    tl.store(chunk_counts_ptr + pid * NB + tl.arange(0, NB), tl.histogram(ids, NB))
+
+
+@triton.jit
 def moe_align_kernel(
     topk_ids_ptr,  # [numel] int32 / int64 expert id of each (token, slot) pair
     sorted_token_ids_ptr,  # out int32 [max_padded]
@@ -307,21 +324,34 @@ def moe_align_kernel(
     NB: tl.constexpr,  # a power of two > num_experts: bin num_experts collects masked lanes and bad ids
     CHUNK: tl.constexpr,  # pairs placed per program
     HCHUNK: tl.constexpr,  # pairs per histogram step
+    COUNTED: tl.constexpr,  # chunk_counts_ptr holds every chunk's histogram (moe_align_count_kernel ran first)
+    chunk_counts_ptr,  # int32 [num_programs, NB] when COUNTED
+    QB: tl.constexpr,  # chunk histograms summed per step when COUNTED
 ):
     # Program p places pairs [p * CHUNK, (p + 1) * CHUNK) at padded_start[e] + (pairs of expert e before it), which
     # is moe_align_block_size's stable order; program 0 also writes the padding, the block experts and the length.
-    # Every program histograms all ids itself (no grid-wide synchronisation); the positions they write are disjoint.
+    # No grid-wide synchronisation: every program gets the per-expert counts (all pairs, and the pairs before its
+    # chunk) itself, by histogramming all ids (one pass: few chunks) or by summing the chunk histograms of
+    # moe_align_count_kernel (COUNTED: many chunks); the positions the programs write are disjoint.
     pid = tl.program_id(axis=0)
     bins = tl.arange(0, NB)
     chunk_start = pid * CHUNK
     counts = tl.full((NB,), 0, tl.int32)
     before = tl.full((NB,), 0, tl.int32)
-    for start in range(0, numel, HCHUNK):
-        offs = start + tl.arange(0, HCHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
-        ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
-        counts += tl.histogram(ids, NB)
-        before += tl.histogram(tl.where(offs < chunk_start, ids, num_experts), NB)
+    if COUNTED:
+        num_chunks = tl.num_programs(axis=0)
+        for q0 in range(0, num_chunks, QB):
+            q = q0 + tl.arange(0, QB)
+            h = tl.load(chunk_counts_ptr + q[:, None] * NB + bins[None, :], mask=(q < num_chunks)[:, None], other=0)
+            counts += tl.reduce(h, 0, _ADD)
+            before += tl.reduce(tl.where((q < pid)[:, None], h, 0), 0, _ADD)
+    else:
+        for start in range(0, numel, HCHUNK):
+            offs = start + tl.arange(0, HCHUNK)
+            ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
+            ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+            counts += tl.histogram(ids, NB)
+            before += tl.histogram(tl.where(offs < chunk_start, ids, num_experts), NB)
     real = bins < num_experts
     counts = tl.where(real, counts, 0)
     before = tl.where(real, before, 0)
@@ -480,10 +510,16 @@ def invoke_moe_sum(x, out, top_k):
 ALIGN_CHUNK = 128
 """Pairs placed by one program of ``moe_align_kernel``."""
 
+ALIGN_ONE_PASS_CHUNKS = 4
+"""Up to this many chunks the sort is one launch (each program histograms all ids: numel * 2 histogram lanes per
+program); beyond it, two (``moe_align_count_kernel`` histograms each chunk once, each placing program sums those)."""
 
-def invoke_moe_align(topk_ids, block_size, num_experts, max_padded):
-    """One launch of ``moe_align_kernel``: ``moe_align_block_size``'s three outputs for ``topk_ids`` (any shape,
-    int32 / int64), computed on the device without synchronising (``max_padded`` is the caller's bound).
+
+def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=None):
+    """``moe_align_block_size``'s three outputs for ``topk_ids`` (any shape, int32 / int64), computed on the device
+    without synchronising (``max_padded`` is the caller's bound): ``moe_align_kernel``, preceded by
+    ``moe_align_count_kernel`` when ``passes`` is 2 (None: 1 up to ``ALIGN_ONE_PASS_CHUNKS`` chunks of
+    ``ALIGN_CHUNK`` pairs, else 2). Both ways give the same tensors bit for bit.
 
     Ids outside [0, num_experts) are left out of every group (their pairs are never computed)."""
     flat = topk_ids.reshape(-1)  # a contiguous copy when topk_ids is not contiguous
@@ -491,13 +527,21 @@ def invoke_moe_align(topk_ids, block_size, num_experts, max_padded):
     device = flat.device
     nb = triton.next_power_of_2(num_experts + 1)
     programs = max(1, triton.cdiv(numel, ALIGN_CHUNK))
+    if passes is None:
+        passes = 1 if programs <= ALIGN_ONE_PASS_CHUNKS else 2
+    if passes not in (1, 2):
+        raise ValueError(f"passes: expected 1, 2 or None, got {passes!r}")
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_padded // block_size, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
-    scratch = torch.empty(programs, nb, dtype=torch.int32, device=device)
+    scratch = torch.empty(passes, programs, nb, dtype=torch.int32, device=device)
+    if passes == 2:
+        _kernel_for(moe_align_count_kernel, device)[(programs,)](flat, scratch[1], numel, num_experts, NB=nb,
+                                                                 CHUNK=ALIGN_CHUNK, num_warps=4)
     kernel = _kernel_for(moe_align_kernel, device)
-    kernel[(programs,)](flat, sorted_ids, expert_ids, num_post, scratch, numel, num_experts, max_padded,
-                        BLOCK_M=block_size, NB=nb, CHUNK=ALIGN_CHUNK, HCHUNK=1024, num_warps=4)
+    kernel[(programs,)](flat, sorted_ids, expert_ids, num_post, scratch[0], numel, num_experts, max_padded,
+                        BLOCK_M=block_size, NB=nb, CHUNK=ALIGN_CHUNK, HCHUNK=1024, COUNTED=passes == 2,
+                        chunk_counts_ptr=scratch[passes - 1], QB=max(1, min(16, 4096 // nb)), num_warps=4)
     return sorted_ids, expert_ids, num_post
 
 

@@ -382,8 +382,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 
     Pair p = t * top_k + k (row-major in ``topk_ids``). The result has the layout of vLLM's ``moe_align_block_size``
     and never synchronises with the device (so the call can be captured in a CUDA graph). ``backend`` as
-    ``select_backend``: ``"triton"`` is one launch of ``moe_align_kernel`` (what the Triton pipeline runs; on CUDA
-    the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
+    ``select_backend``: ``"triton"`` is ``moe_align_kernel``, one launch (after ``moe_align_count_kernel``'s chunk
+    histograms when there are more than ``ALIGN_ONE_PASS_CHUNKS`` chunks of 128 pairs; what the Triton pipeline runs;
+    on CUDA the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
     [0, num_experts). An id outside that range: the triton backend leaves its pair out of every group, the torch
     backend raises (CPU) or makes a device-side index error (CUDA).
 
@@ -528,7 +529,8 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     SPLIT_K (default 1), SWAP_AB and FUSE_ACT (default False); checked by ``expq.kernels.tuned.check_config``,
     ValueError naming the bad key).
 
-    Launches (no device synchronisation, CUDA-graph capturable): ``moe_align_kernel`` (sort), GEMM1, the activation
+    Launches (no device synchronisation, CUDA-graph capturable): the sort (``moe_align_kernel``, after
+    ``moe_align_count_kernel`` for large batches), GEMM1, the activation
     (fused into GEMM1 with FUSE_ACT), GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and
     ``moe_sum_kernel`` (the top-k sum and the split-K reduction, in a fixed order; skipped when top_k == 1 and
     SPLIT_K == 1).
