@@ -172,9 +172,9 @@ def test_naive_block_assignment_layout():
 @pytest.mark.parametrize("t,top_k,num_experts,block,dtype", [
     (1, 1, 4, 16, torch.int64), (5, 2, 8, 4, torch.int32), (33, 2, 6, 16, torch.int64),
     (40, 3, 5, 8, torch.int32), (7, 2, 64, 16, torch.int32), (100, 1, 3, 128, torch.int64),
-    # 4 chunks of ALIGN_CHUNK (128) pairs: one launch, several placing programs
+    # 4 chunks of ALIGN_CHUNK (128) pairs, 400 x 32 lanes: one launch, several placing programs
     (50, 8, 16, 16, torch.int64),
-    # more pairs than one histogram step (1024) and more chunks than ALIGN_ONE_PASS_CHUNKS: the two-pass sort
+    # more pairs than one histogram step (1024), pairs x bins past ALIGN_ONE_PASS_WORK: the two-pass sort
     (300, 8, 130, 64, torch.int32)])
 def test_align_triton_kernel_equals_torch(interpret, t, top_k, num_experts, block, dtype):
     g = torch.Generator().manual_seed(t + num_experts)
@@ -184,6 +184,25 @@ def test_align_triton_kernel_equals_torch(interpret, t, top_k, num_experts, bloc
     for name, r, o in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), ref, got):
         assert o.dtype == torch.int32 and torch.equal(o, r), name
     check_alignment(topk_ids, block, num_experts, *got)
+
+
+UNSORTED_KNOBS = [dict(), dict(FUSE_ACT=True), dict(SPLIT_K=2), dict(SWAP_AB=True)]
+
+
+@pytest.mark.parametrize("knobs", UNSORTED_KNOBS, ids=["plain", "fuse", "splitk", "swap"])
+@pytest.mark.parametrize("t,top_k,bias,ids_dtype", [(1, 4, False, torch.int32), (2, 4, True, torch.int64)])
+def test_decode_without_the_sort_equals_the_sorted_pipeline(interpret, monkeypatch, knobs, t, top_k, bias, ids_dtype):
+    # T * top_k <= E / 8: each pair is a block of its own, its expert read from topk_ids (no sort launch); the
+    # output is bit for bit the sorted pipeline's (forced by UNSORTED_MAX_PAIRS_PER_EXPERT = 0)
+    args, kwargs = make_problem(e=64, t=t, top_k=top_k, seed=60 + t, bias=bias)
+    args = args[:6] + (args[6].to(ids_dtype),)
+    cfg = dict(moe_mod.get_config(t, 64, top_k, "cpu"), **knobs)
+    assert t * top_k <= 64 * moe_mod.UNSORTED_MAX_PAIRS_PER_EXPERT
+    unsorted = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
+    monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 0)
+    assert torch.equal(unsorted, moe_mod.fused_moe_triton(*args, **kwargs, config=cfg))
+    ref = moe_mod.moe_reference(*args, **kwargs)
+    assert (unsorted.float() - ref).abs().max() <= 8 * 2**-11 * ref.abs().max()
 
 
 def test_bfloat16_through_the_interpreter_is_refused():

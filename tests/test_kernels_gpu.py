@@ -166,7 +166,7 @@ def test_align_on_gpu_matches_cpu():
 @pytest.mark.parametrize("t,top_k,e", [(4096, 8, 256), (1, 8, 128), (300, 2, 8), (77, 4, 384)])
 @pytest.mark.parametrize("block", [16, 64])
 def test_align_kernel_equals_torch_at_scale(t, top_k, e, block):
-    # the Triton sort (one launch up to ALIGN_ONE_PASS_CHUNKS chunks, else two) against the torch ops, bit for bit
+    # the Triton sort (one launch up to ALIGN_ONE_PASS_WORK pair x bin lanes, else two) against the torch ops, bit for bit
     g = torch.Generator().manual_seed(t + e)
     topk_ids = torch.randint(0, e, (t, top_k), generator=g).to(torch.int32)
     ref = moe_mod.moe_align_block_size(topk_ids, block, e, backend="torch")
@@ -186,6 +186,17 @@ def test_align_one_and_two_passes_agree_on_gpu(numel, e):
     bound = -(-min(numel + e * 15, numel * 16) // 16) * 16
     for a, b in zip(fk.invoke_moe_align(ids, 16, e, bound, passes=1), fk.invoke_moe_align(ids, 16, e, bound, passes=2)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("e,h,i,top_k,t", [(128, 2048, 768, 8, 1), (64, 7168, 2048, 8, 1), (64, 1024, 512, 4, 2)])
+def test_decode_without_the_sort_equals_the_sorted_pipeline_on_gpu(monkeypatch, e, h, i, top_k, t):
+    args, kwargs = make_problem(e, h, i, t, top_k, torch.bfloat16, seed=70 + t)
+    for knobs in (dict(), dict(FUSE_ACT=True), dict(SPLIT_K=4)):
+        cfg = dict(moe_mod.get_config(t, e, top_k, "cuda", tuned=False), **knobs)
+        monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 1 / 8)
+        unsorted = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
+        monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 0)
+        assert torch.equal(unsorted, moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)), knobs
 
 
 KNOBS = [dict(SPLIT_K=s, SWAP_AB=w) for s in (1, 4) for w in (False, True)] + [

@@ -474,3 +474,83 @@ def test_checkpoint_dir_of_a_hub_repo(shards, tmp_path, monkeypatch):
         ck = ConvertedCheckpoint(local)
         assert ck.moe_layers == ConvertedCheckpoint(out).moe_layers == [0, 1, 2, 3]
         assert ck.num_experts == 8 and ck.tensors == ConvertedCheckpoint(out).tensors
+
+
+# --- a spawned engine process (vllm serve): the quantization config crosses processes by pickling ------------------
+STAND_IN_VLLM = {
+    "vllm/__init__.py": "__version__ = '0.24.0'\n",
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/utils.py": "def set_weight_attrs(p, attrs):\n    for k, v in attrs.items():\n"
+                                    "        setattr(p, k, v)\n",
+    "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/linear.py": "class LinearBase:\n    pass\n\n\nclass UnquantizedLinearMethod:\n"
+                                            "    pass\n",
+    "vllm/model_executor/layers/fused_moe/__init__.py":
+        "class RoutedExperts:\n    def _map_global_expert_id_to_local_expert_id(self, e):\n        return e\n",
+    "vllm/model_executor/layers/fused_moe/activation.py": "class MoEActivation:\n    SWIGLUOAI = 'swigluoai'\n",
+    "vllm/model_executor/layers/quantization/__init__.py":
+        "REGISTRY = {}\n\n\ndef register_quantization_config(name):\n    def wrap(cls):\n"
+        "        REGISTRY[name] = cls\n        return cls\n    return wrap\n",
+    "vllm/model_executor/layers/quantization/base_config.py":
+        "class QuantizationConfig:\n    def __init__(self):\n        pass\n",
+    "vllm/model_executor/layers/quantization/online/__init__.py": "",
+    "vllm/model_executor/layers/quantization/online/int8.py":
+        "import types\n\n\nclass Int8OnlineMoEMethod:\n    def __init__(self, *, layer):\n"
+        "        self.moe = types.SimpleNamespace(has_bias=False)\n\n    def _setup_kernel(self, layer):\n"
+        "        pass\n",
+    "vllm/model_executor/model_loader/__init__.py": "",
+    "vllm/model_executor/model_loader/default_loader.py":
+        "class DefaultModelLoader:\n    def get_all_weights(self, model_config, model):\n        return iter(())\n",
+}
+
+PICKLE_IN_PARENT = """
+import pickle, sys
+import expq.engines.vllm as plugin
+from vllm.model_executor.layers.quantization import REGISTRY
+plugin.register()
+cfg = REGISTRY[plugin.QUANT_METHOD].from_config({"quant_method": plugin.QUANT_METHOD})
+open(sys.argv[1], "wb").write(pickle.dumps(cfg))
+"""
+
+UNPICKLE_IN_ENGINE = """
+import pickle, sys
+from types import SimpleNamespace
+cfg = pickle.loads(open(sys.argv[1], "rb").read())  # before anything registered the plugin in this process
+import expq.engines.vllm as plugin
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+print("CLASS", type(cfg) is plugin.ExpqExpertsInt8Config)
+layer = RoutedExperts()
+layer.layer_name = "model.layers.0.mlp.experts"
+method = cfg.get_quant_method(layer, "model.layers.0.mlp.experts")
+print("METHOD", type(method) is plugin.ExpqInt8MoEMethod)
+DefaultModelLoader().get_all_weights(SimpleNamespace(quantization="fp8"), None)  # the engine's own loader call
+try:
+    method.process_weights_after_loading(layer)
+except Exception as e:
+    print("ERROR", e)
+"""
+
+
+def test_config_pickled_into_a_spawned_engine_shares_the_plugin_state(tmp_path):
+    """`vllm serve` spawns its engine core and sends it the VllmConfig by pickling (cloudpickle): the config and
+    method classes must travel by name, so that the engine's copy is the class its own registration made and reads
+    the routing state that its own loader writes (a class sent by value saw a stale copy of that state: 'the default
+    loader never ran'). Two fresh interpreters over a stand-in vLLM package."""
+    import os
+    import subprocess
+
+    for rel, text in STAND_IN_VLLM.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    blob = tmp_path / "config.pickle"
+    for code in (PICKLE_IN_PARENT, UNPICKLE_IN_ENGINE):
+        r = subprocess.run([sys.executable, "-c", code, str(blob)], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["CLASS True", "METHOD True"], r.stdout
+    assert lines[2] == ("ERROR model.layers.0.mlp.experts: no expq expert tensor was loaded: the default loader ran "
+                        "for quantization 'fp8', not 'expq_experts_int8' (serve without --quantization: the "
+                        "checkpoint's quantization_config names the method)"), r.stdout

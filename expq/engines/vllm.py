@@ -124,11 +124,34 @@ def register() -> None:
         except ExpqError as err:
             _register_refusal(err)
             return
-        method_cls = _method_class(api)
-        config_cls = _config_class(api, method_cls)
+        method_cls = _publish(_method_class(api), "ExpqInt8MoEMethod")
+        config_cls = _publish(_config_class(api, method_cls), "ExpqExpertsInt8Config")
         api.register_quantization_config(QUANT_METHOD)(config_cls)
         _patch_loader(api)
         _STATE.update(api=api, config_cls=config_cls, method_cls=method_cls)
+
+
+_PUBLISHED = ("ExpqInt8MoEMethod", "ExpqExpertsInt8Config", "ExpqUnsupportedVllm")
+
+
+def _publish(cls: type, name: str) -> type:
+    """Make ``cls`` (built on vLLM's classes at registration) importable as ``expq.engines.vllm.<name>``, so that
+    pickling refers to it by name. ``vllm serve`` spawns its engine process and sends it the VllmConfig, which
+    holds the quantization config instance, through cloudpickle: a class that cannot be found by name is sent by
+    value, a copy whose methods see a copy of this module's state and not the routing the engine process does."""
+    cls.__module__, cls.__qualname__, cls.__name__ = __name__, name, name
+    globals()[name] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    # A process that unpickles a published class before vLLM loaded the plugin (a spawned engine or worker) makes
+    # the classes here first.
+    if name in _PUBLISHED:
+        register()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _register_refusal(err: ExpqError) -> None:
@@ -164,7 +187,7 @@ def _register_refusal(err: ExpqError) -> None:
             raise err
 
     _LOG.warning("expq's vLLM plugin is inactive: %s", err)
-    register_quantization_config(QUANT_METHOD)(ExpqUnsupportedVllm)
+    register_quantization_config(QUANT_METHOD)(_publish(ExpqUnsupportedVllm, "ExpqUnsupportedVllm"))
     _STATE["config_cls"] = ExpqUnsupportedVllm
 
 
@@ -260,12 +283,15 @@ def _method_class(api: SimpleNamespace) -> type:
             if self.loader is None:
                 if "routing" not in _STATE:
                     why = "vLLM's default loader never ran (the plugin routes expert tensors there only)"
+                    hint = "serve with --load-format auto or safetensors"
                 elif _STATE["routing"] != QUANT_METHOD:
                     why = f"the default loader ran for quantization {_STATE['routing']!r}, not {QUANT_METHOD!r}"
+                    hint = "serve without --quantization: the checkpoint's quantization_config names the method"
                 else:
                     why = "the routing found no such layer"
+                    hint = "was the checkpoint written by expq convert --format experts-int8 for this model?"
                 raise SourceError(f"{getattr(layer, 'layer_name', 'a MoE layer')}: no expq expert tensor was "
-                                  f"loaded: {why}", hint="serve with --load-format auto or safetensors")
+                                  f"loaded: {why}", hint=hint)
             self.loader.check_complete()
             self._setup_kernel(layer)
             layer._already_called_process_weights_after_loading = True

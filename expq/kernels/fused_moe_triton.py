@@ -135,6 +135,8 @@ def fused_moe_w8a16_kernel(
     HAS_BIAS: tl.constexpr,
     compute_type: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UNSORTED: tl.constexpr = False,  # one block per pair, no sort: expert_ids_ptr = the flat topk_ids (any int)
+    num_experts=0,  # UNSORTED: ids outside [0, num_experts) are skipped
 ):
     # Program id -> (block of sorted pairs, block of output channels), grouped along M for L2 reuse (as vLLM).
     pid = tl.program_id(axis=0)
@@ -147,17 +149,24 @@ def fused_moe_w8a16_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    # Blocks past the padded end hold no pairs.
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
-        return
-    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if off_expert < 0:
-        return
-
-    # The block's (token, slot) pair ids; padding entries equal num_valid_tokens and are masked out everywhere.
-    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
+    if UNSORTED:
+        # Decode with few pairs per expert (vLLM's naive block assignment, without building its arrays): block m
+        # is pair m alone, its expert read from topk_ids; the other rows are padding.
+        off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if (off_expert < 0) | (off_expert >= num_experts):
+            return
+        offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_valid_tokens).to(tl.int64)
+    else:
+        # Blocks past the padded end hold no pairs.
+        num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+            return
+        off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if off_expert < 0:
+            return
+        # The block's (token, slot) pair ids; padding entries equal num_valid_tokens and are masked out everywhere.
+        offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
+        offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
     token_mask = offs_token < num_valid_tokens
     a_rows = offs_token // TOP_K
 
@@ -453,7 +462,7 @@ _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.
 
 def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_ids, expert_ids,
                            num_tokens_post_padded, *, top_k, mul_routed_weight, config, split_k=1, fuse_act=None,
-                           alpha=1.702, limit=7.0):
+                           alpha=1.702, limit=7.0, unsorted_ids=None):
     """Launch ``fused_moe_w8a16_kernel`` over every block of ``sorted_token_ids``.
 
     a [rows, K] act dtype; b int8 [E, N, K]; c [num_pairs, N] act dtype when ``split_k`` is 1, else fp32
@@ -464,6 +473,8 @@ def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_
     for GEMM1, 1 for GEMM2); ``config["SWAP_AB"]`` (default False) computes each tile transposed.
     ``fuse_act``: an activation id (GEMM1 only, SWAP_AB False, split_k 1): b holds [gate; up] rows [E, 2N, K] and
     c [num_pairs, N] receives act(gate) * up directly (``alpha`` / ``limit``: swigluoai's).
+    ``unsorted_ids``: the flat topk_ids [num_pairs] (int32 / int64) instead of the three sorted arrays (pass None
+    for them): one block per pair, in pair order; pairs whose id is outside [0, E) are not computed.
     """
     if fuse_act is not None and (split_k != 1 or config.get("SWAP_AB", False) or mul_routed_weight):
         raise ValueError("fuse_act: GEMM1 only (no split-K, no SWAP_AB, no router weight)")
@@ -472,7 +483,10 @@ def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_
     if c3.shape[0] != split_k:
         raise ValueError(f"c: expected {split_k} split(s) in dim 0, got shape {tuple(c.shape)}")
     _, num_pairs, n = c3.shape
-    em = sorted_token_ids.shape[0]
+    unsorted = unsorted_ids is not None
+    if unsorted:
+        sorted_token_ids = expert_ids = num_tokens_post_padded = unsorted_ids  # one pointer; only expert_ids is read
+    em = num_pairs * config["BLOCK_SIZE_M"] if unsorted else sorted_token_ids.shape[0]
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn), split_k)
     kernel = _kernel_for(fused_moe_w8a16_kernel, a.device)
@@ -490,6 +504,7 @@ def invoke_fused_moe_w8a16(a, b, c, b_scale, b_bias, topk_weights, sorted_token_
         EVEN_K=k_dim % bk == 0,
         TOP_K=top_k, MUL_ROUTED_WEIGHT=bool(mul_routed_weight), HAS_BIAS=has_bias,
         compute_type=_COMPUTE_TYPES[a.dtype], DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UNSORTED=unsorted, num_experts=b.shape[0],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -510,16 +525,20 @@ def invoke_moe_sum(x, out, top_k):
 ALIGN_CHUNK = 128
 """Pairs placed by one program of ``moe_align_kernel``."""
 
-ALIGN_ONE_PASS_CHUNKS = 4
-"""Up to this many chunks the sort is one launch (each program histograms all ids: numel * 2 histogram lanes per
-program); beyond it, two (``moe_align_count_kernel`` histograms each chunk once, each placing program sums those)."""
+ALIGN_ONE_PASS_WORK = 2**18
+"""Up to this many (pair, bin) lanes (number of pairs x NB, NB = the power of two above the expert count) the sort
+is one launch (each program histograms all ids); beyond it, two (``moe_align_count_kernel`` histograms each chunk
+once, each placing program sums those). Measured on an H200 (bench/profile_kernel.py, the sort alone, CUDA graph,
+2026-12-01): one pass is faster up to 2^18 (Mixtral NB 16 at 2,048 pairs: 14.6 against 19.5 us; Qwen3 NB 256 at
+1,024 pairs: 10.0 against 11.2), two passes beyond (DeepSeek-V3 NB 512 at 1,024 pairs: 13.2 against 15.4; Qwen3
+at 32,768 pairs: 42.8 against 72.0; DeepSeek-V3 at 32,768: 42.6 against 127.9)."""
 
 
 def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=None):
     """``moe_align_block_size``'s three outputs for ``topk_ids`` (any shape, int32 / int64), computed on the device
     without synchronising (``max_padded`` is the caller's bound): ``moe_align_kernel``, preceded by
-    ``moe_align_count_kernel`` when ``passes`` is 2 (None: 1 up to ``ALIGN_ONE_PASS_CHUNKS`` chunks of
-    ``ALIGN_CHUNK`` pairs, else 2). Both ways give the same tensors bit for bit.
+    ``moe_align_count_kernel`` when ``passes`` is 2 (None: 1 up to ``ALIGN_ONE_PASS_WORK`` pair x bin lanes,
+    else 2). Both ways give the same tensors bit for bit.
 
     Ids outside [0, num_experts) are left out of every group (their pairs are never computed)."""
     flat = topk_ids.reshape(-1)  # a contiguous copy when topk_ids is not contiguous
@@ -528,7 +547,7 @@ def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=No
     nb = triton.next_power_of_2(num_experts + 1)
     programs = max(1, triton.cdiv(numel, ALIGN_CHUNK))
     if passes is None:
-        passes = 1 if programs <= ALIGN_ONE_PASS_CHUNKS else 2
+        passes = 1 if programs == 1 or numel * nb <= ALIGN_ONE_PASS_WORK else 2
     if passes not in (1, 2):
         raise ValueError(f"passes: expected 1, 2 or None, got {passes!r}")
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)

@@ -383,8 +383,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     Pair p = t * top_k + k (row-major in ``topk_ids``). The result has the layout of vLLM's ``moe_align_block_size``
     and never synchronises with the device (so the call can be captured in a CUDA graph). ``backend`` as
     ``select_backend``: ``"triton"`` is ``moe_align_kernel``, one launch (after ``moe_align_count_kernel``'s chunk
-    histograms when there are more than ``ALIGN_ONE_PASS_CHUNKS`` chunks of 128 pairs; what the Triton pipeline runs;
-    on CUDA the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
+    histograms when pairs x bins pass ``ALIGN_ONE_PASS_WORK``; what the Triton pipeline runs; on CUDA the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
     [0, num_experts). An id outside that range: the triton backend leaves its pair out of every group, the torch
     backend raises (CPU) or makes a device-side index error (CUDA).
 
@@ -515,6 +514,12 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, device=None, *, hi
 
 _ACT_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
 
+UNSORTED_MAX_PAIRS_PER_EXPERT = 1 / 8
+"""With at most this many (token, slot) pairs per expert (T * top_k <= E / 8: decode of a model with many experts,
+where pairs rarely share an expert) the pipeline skips the sort: each pair is a block of its own, its expert read
+from topk_ids by the GEMMs (vLLM's naive block assignment, used there from T * top_k * 4 <= E; stricter here since
+a shared expert is then read once per pair)."""
+
 SPLIT_K_MAX_BYTES = 256 * 2**20
 """Largest fp32 split-K partial buffer (SPLIT_K x T*top_k x H x 4 bytes) the pipeline allocates: a larger SPLIT_K is
 halved until it fits (SPLIT_K is for decode-sized batches; a table's nearest bucket may hand it to a big one)."""
@@ -530,7 +535,8 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     ValueError naming the bad key).
 
     Launches (no device synchronisation, CUDA-graph capturable): the sort (``moe_align_kernel``, after
-    ``moe_align_count_kernel`` for large batches), GEMM1, the activation
+    ``moe_align_count_kernel`` for large batches; none when T * top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``,
+    where each pair is a block of its own), GEMM1, the activation
     (fused into GEMM1 with FUSE_ACT), GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and
     ``moe_sum_kernel`` (the top-k sum and the split-K reduction, in a fixed order; skipped when top_k == 1 and
     SPLIT_K == 1).
@@ -593,20 +599,24 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
         cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
 
     with _device_guard(device):
-        sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
-                                                               _max_padded(num_pairs, block_m, e_dim))
-        if fuse:  # GEMM1 and the activation in one launch
-            fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, sorted_ids, expert_ids, num_post,
-                                      top_k=top_k, mul_routed_weight=False, config=config,
-                                      fuse_act=_ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
+        if num_pairs <= e_dim * UNSORTED_MAX_PAIRS_PER_EXPERT:  # decode: no sort, a block per pair
+            blocks = dict(sorted_token_ids=None, expert_ids=None, num_tokens_post_padded=None,
+                          unsorted_ids=topk_ids.reshape(-1))
         else:
-            fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, sorted_ids, expert_ids, num_post,
-                                      top_k=top_k, mul_routed_weight=False, config=config)
+            sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
+                                                                   _max_padded(num_pairs, block_m, e_dim))
+            blocks = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post)
+        if fuse:  # GEMM1 and the activation in one launch
+            fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, **blocks, top_k=top_k,
+                                      mul_routed_weight=False, config=config, fuse_act=_ACT_IDS[activation],
+                                      alpha=SWIGLUOAI_ALPHA, limit=SWIGLUOAI_LIMIT)
+        else:
+            fk.invoke_fused_moe_w8a16(x, w13, cache1, scale13, bias13, None, **blocks, top_k=top_k,
+                                      mul_routed_weight=False, config=config)
             fk.invoke_act_and_mul(cache1, cache2, _ACT_IDS[activation], alpha=SWIGLUOAI_ALPHA,
                                   limit=SWIGLUOAI_LIMIT)
-        fk.invoke_fused_moe_w8a16(cache2, w2, cache3, scale2, bias2, flat_w, sorted_ids, expert_ids, num_post,
-                                  top_k=1, mul_routed_weight=not apply_router_weight_on_input, config=config,
-                                  split_k=split)
+        fk.invoke_fused_moe_w8a16(cache2, w2, cache3, scale2, bias2, flat_w, **blocks, top_k=1,
+                                  mul_routed_weight=not apply_router_weight_on_input, config=config, split_k=split)
         if cache3 is not out:
             fk.invoke_moe_sum(cache3, out, top_k)
     return out
