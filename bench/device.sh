@@ -8,6 +8,7 @@
 #   bash bench/device.sh kernel-tune   # GPU kernel tests, then bench/tune_kernel.py (one call, ~5 min)
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM, profile, end to end (~5 min)
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
+#   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -57,6 +58,16 @@ case "${1:-}" in
     timeout 120 python3 bench/profile_kernel.py --iters 10 --json "$OUT/prof.json" --md "$OUT/prof.md" 2>&1 \
       | grep -v '^{' | tail -30 || true
     timeout 150 python3 bench/bench_kernel.py --e2e --json "$OUT/e2e.json" 2>&1 | tail -8 || true ;;
+  serve-check)
+    # needs install: the card's vllm serve test, then LLM() of two families against online experts_int8
+    vllm_env
+    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \
+      --basetemp=/tmp/pt 2>&1 | grep -E "passed|failed|^E " | tail -30 || true
+    mkdir -p "$OUT/serve"
+    for f in /tmp/pt/*/serve.log; do [ -f "$f" ] && cp "$f" "$OUT/serve/$(basename "$(dirname "$f")").log"; done
+    timeout 200 python3 bench/vllm_compare.py /tmp/small --families mixtral,qwen3_moe --runs online,converted \
+      --parallel 2 --prepare-timeout 100 --budget 190 2>&1 | tail -12 || true
+    cp /tmp/small/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   issue12)
     vllm_env
     timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \

@@ -38,8 +38,8 @@ from bench_kernel import (SHAPES, add_point_args, copy_bandwidth, graph_time, ma
 from expq.kernels import moe  # noqa: E402
 
 STEPS = ("sort", "gemm1", "act", "gemm2", "sum")
-KERNELS = {"moe_align_kernel": "sort", "moe_align_count_kernel": "sort", "fused_moe_w8a16_kernel": "gemm", "moe_act_and_mul_kernel": "act",
-           "moe_sum_kernel": "sum"}
+KERNELS = {"moe_align_kernel": "sort", "moe_align_count_kernel": "sort", "fused_moe_w8a16_kernel": "gemm",
+           "moe_act_and_mul_kernel": "act", "moe_sum_kernel": "sum"}
 
 
 def profile_point(run, iters):

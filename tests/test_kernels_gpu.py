@@ -166,7 +166,8 @@ def test_align_on_gpu_matches_cpu():
 @pytest.mark.parametrize("t,top_k,e", [(4096, 8, 256), (1, 8, 128), (300, 2, 8), (77, 4, 384)])
 @pytest.mark.parametrize("block", [16, 64])
 def test_align_kernel_equals_torch_at_scale(t, top_k, e, block):
-    # the Triton sort (one launch up to ALIGN_ONE_PASS_WORK pair x bin lanes, else two) against the torch ops, bit for bit
+    # the Triton sort (one launch up to ALIGN_ONE_PASS_WORK pair x bin lanes, else two) against the torch ops,
+    # bit for bit
     g = torch.Generator().manual_seed(t + e)
     topk_ids = torch.randint(0, e, (t, top_k), generator=g).to(torch.int32)
     ref = moe_mod.moe_align_block_size(topk_ids, block, e, backend="torch")

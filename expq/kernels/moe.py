@@ -383,7 +383,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     Pair p = t * top_k + k (row-major in ``topk_ids``). The result has the layout of vLLM's ``moe_align_block_size``
     and never synchronises with the device (so the call can be captured in a CUDA graph). ``backend`` as
     ``select_backend``: ``"triton"`` is ``moe_align_kernel``, one launch (after ``moe_align_count_kernel``'s chunk
-    histograms when pairs x bins pass ``ALIGN_ONE_PASS_WORK``; what the Triton pipeline runs; on CUDA the default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
+    histograms when pairs x bins pass ``ALIGN_ONE_PASS_WORK``; what the Triton pipeline runs; on CUDA the
+    default), ``"torch"`` about 30 small torch ops; both give the same tensors bit for bit for ids in
     [0, num_experts). An id outside that range: the triton backend leaves its pair out of every group, the torch
     backend raises (CPU) or makes a device-side index error (CUDA).
 
@@ -438,8 +439,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 
 def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
     """One block per (token, slot) pair, unsorted: the decode shortcut of vLLM's ``fused_experts_impl`` (used by vLLM
-    when T*top_k*4 <= E; expq's pipeline does not need it, since ``moe_align_block_size``'s Triton backend is one
-    launch whatever the routing).
+    when T*top_k*4 <= E; expq's pipeline gets the same blocks without building these arrays: its GEMMs read the
+    experts from topk_ids directly when T*top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``).
 
     With few pairs and many experts, almost every pair has an expert of its own, so sorting buys nothing and costs
     kernel launches. Same outputs as ``moe_align_block_size`` (same meaning): sorted_token_ids int32
