@@ -205,6 +205,30 @@ def test_decode_without_the_sort_equals_the_sorted_pipeline(interpret, monkeypat
     assert (unsorted.float() - ref).abs().max() <= 8 * 2**-11 * ref.abs().max()
 
 
+@pytest.mark.parametrize("e,t,top_k", [(64, 2, 4), (8, 9, 2)], ids=["unsorted", "sorted"])
+@pytest.mark.parametrize("view", ["column-slice", "step-slice", "expand"])
+def test_strided_topk_ids_are_read_as_their_values(interpret, e, t, top_k, view):
+    # topk_ids whose reshape(-1) is a strided view (not a copy): the sort and the sort-free GEMMs must read the
+    # values, not the storage (a [T, k, 2] tensor's [..., 0], every other column, a broadcast row), in both paths
+    args, kwargs = make_problem(e=e, t=t, top_k=top_k, seed=80 + t)
+    ids = args[6]
+    if view == "column-slice":
+        strided = torch.stack([ids, (ids + 1) % e], dim=-1)[..., 0]
+    elif view == "step-slice":
+        strided = torch.stack([ids, (ids + 1) % e], dim=-1).reshape(t, 2 * top_k)[:, ::2]
+    else:
+        strided = ids[:1, :1].expand(t, top_k)  # one expert for every pair: a stride-0 view
+        args = args[:6] + (strided.contiguous(),)
+    assert not strided.reshape(-1).is_contiguous() and torch.equal(strided, args[6])
+    want = moe_mod.moe_reference(*args, **kwargs)
+    got = moe_mod.fused_moe_triton(*args[:6], strided, **kwargs)
+    assert torch.equal(got, moe_mod.fused_moe_triton(*args, **kwargs))
+    assert (got.float() - want).norm() <= 4 * 2**-11 * want.norm()
+    for r, o in zip(moe_mod.moe_align_block_size(args[6], 16, e, backend="torch"),
+                    moe_mod.moe_align_block_size(strided, 16, e, backend="triton")):
+        assert torch.equal(r, o)
+
+
 def test_bfloat16_through_the_interpreter_is_refused():
     args, kwargs = make_problem(t=3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16 on CPU"):

@@ -394,6 +394,10 @@ def test_import_never_imports_vllm():
 def test_register_without_vllm_says_so():
     with pytest.raises(ExpqError, match=r"needs vLLM, which is not installed \(pip install 'expq\[vllm\]'\)"):
         plugin.register()
+    # the classes register() would publish do not exist, as attributes that are missing: probing them is safe
+    assert not hasattr(plugin, "ExpqExpertsInt8Config") and getattr(plugin, "ExpqInt8MoEMethod", None) is None
+    with pytest.raises(ImportError, match="ExpqExpertsInt8Config"):
+        from expq.engines.vllm import ExpqExpertsInt8Config  # noqa: F401
 
 
 @pytest.fixture
@@ -423,7 +427,11 @@ def fake_vllm(monkeypatch):
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
     monkeypatch.setattr(plugin, "_STATE", {})
-    return registered
+    published = {n: vars(plugin)[n] for n in plugin._PUBLISHED if n in vars(plugin)}
+    yield registered
+    for n in plugin._PUBLISHED:  # the classes register() published for the stand-in vLLM go with it
+        vars(plugin).pop(n, None)
+    vars(plugin).update(published)
 
 
 def test_missing_internals_named_with_version(fake_vllm):
@@ -441,6 +449,9 @@ def test_register_on_unsupported_vllm_refuses_only_expq_checkpoints(fake_vllm):
     cls = fake_vllm[plugin.QUANT_METHOD]
     with pytest.raises(ExpqError, match="vLLM 0.99.0 lacks"):
         cls.from_config({"quant_method": plugin.QUANT_METHOD})
+    # a process that unpickles the working plugin's config on this vLLM is told why the class is missing
+    with pytest.raises(AttributeError, match="'ExpqExpertsInt8Config': vLLM 0.99.0 lacks"):
+        getattr(plugin, "ExpqExpertsInt8Config")
 
 
 def test_dtype_other_than_the_conversion_is_warned(converted, caplog):

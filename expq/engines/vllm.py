@@ -148,9 +148,14 @@ def __getattr__(name: str):
     # A process that unpickles a published class before vLLM loaded the plugin (a spawned engine or worker) makes
     # the classes here first.
     if name in _PUBLISHED:
-        register()
+        try:
+            register()
+        except ExpqError as err:  # no vLLM: the class does not exist (hasattr / getattr(..., default) work)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {err}") from None
         if name in globals():
             return globals()[name]
+        if "refusal" in _STATE:  # this process's vLLM lacks what the plugin uses: say so, not only "no attribute"
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {_STATE['refusal']}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -188,7 +193,7 @@ def _register_refusal(err: ExpqError) -> None:
 
     _LOG.warning("expq's vLLM plugin is inactive: %s", err)
     register_quantization_config(QUANT_METHOD)(_publish(ExpqUnsupportedVllm, "ExpqUnsupportedVllm"))
-    _STATE["config_cls"] = ExpqUnsupportedVllm
+    _STATE.update(config_cls=ExpqUnsupportedVllm, refusal=err)
 
 
 def _config_class(api: SimpleNamespace, method_cls: type) -> type:

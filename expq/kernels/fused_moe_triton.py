@@ -541,7 +541,7 @@ def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=No
     else 2). Both ways give the same tensors bit for bit.
 
     Ids outside [0, num_experts) are left out of every group (their pairs are never computed)."""
-    flat = topk_ids.reshape(-1)  # a contiguous copy when topk_ids is not contiguous
+    flat = topk_ids.reshape(-1).contiguous()  # reshape may return a strided view (a column slice, an expand)
     numel = flat.numel()
     device = flat.device
     nb = triton.next_power_of_2(num_experts + 1)

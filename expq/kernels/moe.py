@@ -602,7 +602,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     with _device_guard(device):
         if num_pairs <= e_dim * UNSORTED_MAX_PAIRS_PER_EXPERT:  # decode: no sort, a block per pair
             blocks = dict(sorted_token_ids=None, expert_ids=None, num_tokens_post_padded=None,
-                          unsorted_ids=topk_ids.reshape(-1))
+                          unsorted_ids=topk_ids.reshape(-1).contiguous())  # the kernel reads ids[p] at ptr + p
         else:
             sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
                                                                    _max_padded(num_pairs, block_m, e_dim))
