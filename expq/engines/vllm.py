@@ -58,7 +58,9 @@ _NEEDED: tuple[tuple[str, ...], ...] = (
 )
 _LOCK = threading.Lock()
 _LOG = logging.getLogger("expq.vllm")
-_STATE: dict[str, Any] = {}  # "api", "config_cls", "method_cls" once registered; "routing": the last loader call's quantization
+# "api", "config_cls", "method_cls" once registered ("refusal": why not, on an unsupported vLLM); "routing": the
+# last loader call's quantization.
+_STATE: dict[str, Any] = {}
 
 
 def vllm_version() -> str:
