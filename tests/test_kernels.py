@@ -190,16 +190,18 @@ UNSORTED_KNOBS = [dict(), dict(FUSE_ACT=True), dict(SPLIT_K=2), dict(SWAP_AB=Tru
 
 
 @pytest.mark.parametrize("knobs", UNSORTED_KNOBS, ids=["plain", "fuse", "splitk", "swap"])
-@pytest.mark.parametrize("t,top_k,bias,ids_dtype", [(1, 4, False, torch.int32), (2, 4, True, torch.int64)])
-def test_decode_without_the_sort_equals_the_sorted_pipeline(interpret, monkeypatch, knobs, t, top_k, bias, ids_dtype):
-    # T * top_k <= E / 8: each pair is a block of its own, its expert read from topk_ids (no sort launch); the
-    # output is bit for bit the sorted pipeline's (forced by UNSORTED_MAX_PAIRS_PER_EXPERT = 0)
-    args, kwargs = make_problem(e=64, t=t, top_k=top_k, seed=60 + t, bias=bias)
+@pytest.mark.parametrize("e,t,top_k,bias,ids_dtype", [(64, 1, 4, False, torch.int32), (64, 2, 4, True, torch.int64),
+                                                       (8, 1, 2, True, torch.int32)])
+def test_decode_without_the_sort_equals_the_sorted_pipeline(interpret, monkeypatch, knobs, e, t, top_k, bias,
+                                                            ids_dtype):
+    # one token, or T * top_k <= E / 8: each pair is a block of its own, its expert read from topk_ids (no sort
+    # launch); the output is bit for bit the sorted pipeline's (forced by a sorts_pairs that always says yes)
+    args, kwargs = make_problem(e=e, t=t, top_k=top_k, seed=60 + t, bias=bias)
     args = args[:6] + (args[6].to(ids_dtype),)
-    cfg = dict(moe_mod.get_config(t, 64, top_k, "cpu"), **knobs)
-    assert t * top_k <= 64 * moe_mod.UNSORTED_MAX_PAIRS_PER_EXPERT
+    cfg = dict(moe_mod.get_config(t, e, top_k, "cpu"), **knobs)
+    assert not moe_mod.sorts_pairs(t, top_k, e) and moe_mod.sorts_pairs(9, top_k, e)
     unsorted = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
-    monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 0)
+    monkeypatch.setattr(moe_mod, "sorts_pairs", lambda *a: True)
     assert torch.equal(unsorted, moe_mod.fused_moe_triton(*args, **kwargs, config=cfg))
     ref = moe_mod.moe_reference(*args, **kwargs)
     assert (unsorted.float() - ref).abs().max() <= 8 * 2**-11 * ref.abs().max()

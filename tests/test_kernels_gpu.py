@@ -189,14 +189,17 @@ def test_align_one_and_two_passes_agree_on_gpu(numel, e):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("e,h,i,top_k,t", [(128, 2048, 768, 8, 1), (64, 7168, 2048, 8, 1), (64, 1024, 512, 4, 2)])
+@pytest.mark.parametrize("e,h,i,top_k,t", [(128, 2048, 768, 8, 1), (64, 7168, 2048, 8, 1), (64, 1024, 512, 4, 2),
+                                           (8, 4096, 2048, 2, 1)])
 def test_decode_without_the_sort_equals_the_sorted_pipeline_on_gpu(monkeypatch, e, h, i, top_k, t):
     args, kwargs = make_problem(e, h, i, t, top_k, torch.bfloat16, seed=70 + t)
+    assert not moe_mod.sorts_pairs(t, top_k, e)
+    original = moe_mod.sorts_pairs
     for knobs in (dict(), dict(FUSE_ACT=True), dict(SPLIT_K=4)):
         cfg = dict(moe_mod.get_config(t, e, top_k, "cuda", tuned=False), **knobs)
-        monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 1 / 8)
+        monkeypatch.setattr(moe_mod, "sorts_pairs", original)
         unsorted = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
-        monkeypatch.setattr(moe_mod, "UNSORTED_MAX_PAIRS_PER_EXPERT", 0)
+        monkeypatch.setattr(moe_mod, "sorts_pairs", lambda *a: True)
         assert torch.equal(unsorted, moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)), knobs
 
 

@@ -440,7 +440,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
     """One block per (token, slot) pair, unsorted: the decode shortcut of vLLM's ``fused_experts_impl`` (used by vLLM
     when T*top_k*4 <= E; expq's pipeline gets the same blocks without building these arrays: its GEMMs read the
-    experts from topk_ids directly when T*top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``).
+    experts from topk_ids directly where ``sorts_pairs`` is false).
 
     With few pairs and many experts, almost every pair has an expert of its own, so sorting buys nothing and costs
     kernel launches. Same outputs as ``moe_align_block_size`` (same meaning): sorted_token_ids int32
@@ -519,7 +519,15 @@ UNSORTED_MAX_PAIRS_PER_EXPERT = 1 / 8
 """With at most this many (token, slot) pairs per expert (T * top_k <= E / 8: decode of a model with many experts,
 where pairs rarely share an expert) the pipeline skips the sort: each pair is a block of its own, its expert read
 from topk_ids by the GEMMs (vLLM's naive block assignment, used there from T * top_k * 4 <= E; stricter here since
-a shared expert is then read once per pair)."""
+a shared expert is then read once per pair). See ``sorts_pairs``."""
+
+
+def sorts_pairs(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the Triton pipeline sorts the (token, slot) pairs by expert (``moe_align_block_size``) for this
+    batch. It does not for one token (its top_k experts are distinct, so the sorted blocks would hold one pair each
+    anyway) nor when T * top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``: then each pair is a block of its own and
+    the GEMMs read its expert from topk_ids; the output is the same bit for bit."""
+    return num_tokens > 1 and num_tokens * top_k > num_experts * UNSORTED_MAX_PAIRS_PER_EXPERT
 
 SPLIT_K_MAX_BYTES = 256 * 2**20
 """Largest fp32 split-K partial buffer (SPLIT_K x T*top_k x H x 4 bytes) the pipeline allocates: a larger SPLIT_K is
@@ -536,8 +544,8 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     ValueError naming the bad key).
 
     Launches (no device synchronisation, CUDA-graph capturable): the sort (``moe_align_kernel``, after
-    ``moe_align_count_kernel`` for large batches; none when T * top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``,
-    where each pair is a block of its own), GEMM1, the activation
+    ``moe_align_count_kernel`` for large batches; none where ``sorts_pairs`` says so: one token, or few pairs per
+    expert, each pair then a block of its own), GEMM1, the activation
     (fused into GEMM1 with FUSE_ACT), GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and
     ``moe_sum_kernel`` (the top-k sum and the split-K reduction, in a fixed order; skipped when top_k == 1 and
     SPLIT_K == 1).
@@ -600,7 +608,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
         cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
 
     with _device_guard(device):
-        if num_pairs <= e_dim * UNSORTED_MAX_PAIRS_PER_EXPERT:  # decode: no sort, a block per pair
+        if not sorts_pairs(t_dim, top_k, e_dim):  # decode: no sort, a block per pair
             blocks = dict(sorted_token_ids=None, expert_ids=None, num_tokens_post_padded=None,
                           unsorted_ids=topk_ids.reshape(-1).contiguous())  # the kernel reads ids[p] at ptr + p
         else:
