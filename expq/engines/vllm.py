@@ -18,7 +18,10 @@ What ``register()`` does (written against vLLM 0.24):
    each tensor the checkpoint's format classifies as a routed-expert piece is loaded straight into its layer
    (``expq.engines.moe_loading``: tensor and expert parallelism, interleaved w13 rows for ``swigluoai``), markers
    are dropped, and every other tensor goes to the model's own ``load_weights`` unchanged. When the stream ends,
-   every layer must be complete.
+   every layer must be complete;
+3. makes the two classes attributes of this module (``ExpqExpertsInt8Config``, ``ExpqInt8MoEMethod``; a process
+   that asks for them first, e.g. by unpickling, gets them built then), so that pickles refer to them by name:
+   ``vllm serve`` spawns its engine and sends it the VllmConfig, quantization config included, through cloudpickle.
 
 ``import expq.engines.vllm`` never imports vLLM; a vLLM without the internals used here gives one ``ExpqError``
 naming the vLLM version and what is missing.
