@@ -42,8 +42,10 @@ _ID_DTYPES = (torch.int32, torch.int64)
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "SPLIT_K_MAX_BYTES",
     "SWIGLUOAI_ALPHA",
     "SWIGLUOAI_LIMIT",
+    "UNSORTED_MAX_PAIRS_PER_EXPERT",
     "act_and_mul",
     "fused_moe_int8",
     "fused_moe_torch",
@@ -54,6 +56,7 @@ __all__ = [
     "moe_reference_dense",
     "naive_block_assignment",
     "select_backend",
+    "sorts_pairs",
 ]
 
 
@@ -524,9 +527,10 @@ a shared expert is then read once per pair). See ``sorts_pairs``."""
 
 def sorts_pairs(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether the Triton pipeline sorts the (token, slot) pairs by expert (``moe_align_block_size``) for this
-    batch. It does not for one token (its top_k experts are distinct, so the sorted blocks would hold one pair each
-    anyway) nor when T * top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``: then each pair is a block of its own and
-    the GEMMs read its expert from topk_ids; the output is the same bit for bit."""
+    batch. It does not for one token (a router's top_k experts are distinct, so the sorted blocks would hold one
+    pair each anyway; a token that names an expert twice only loses the sharing of that expert's block) nor when
+    T * top_k <= E * ``UNSORTED_MAX_PAIRS_PER_EXPERT``: then each pair is a block of its own and the GEMMs read its
+    expert from topk_ids; the output is the same bit for bit."""
     return num_tokens > 1 and num_tokens * top_k > num_experts * UNSORTED_MAX_PAIRS_PER_EXPERT
 
 SPLIT_K_MAX_BYTES = 256 * 2**20
