@@ -387,13 +387,25 @@ E2E_CONFIG = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, 
                   max_position_embeddings=8192, tie_word_embeddings=False)
 
 
-def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
+def host_profile(model, ids, rows=25):
+    """The ``rows`` ops with the most host (self CPU) time in one eager forward, as torch.profiler's table text: where
+    an eager forward spends host time or waits for the GPU (cudaStreamSynchronize, cudaMemcpy, cudaFree lines)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, use_cache=False)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def e2e(layers, decode_batch, prefill_len, work, reps, json_path, profile_host=False):
     """Build a Qwen3-30B-A3B-shaped checkpoint (random N(0, 0.02) bf16 weights, ``layers`` decoder layers, small
     vocabulary), convert it with expq (experts_int8 format), and time full forwards (``use_cache=False``, eager,
     CUDA events, median of ``reps``; also the host time of issuing each eager forward, and the forward replayed as
     a CUDA graph where it can be captured) of the bf16 model (transformers' own experts) and of expq.load_model's model
     (int8 experts through expq's kernel): a decode-shaped batch (``decode_batch`` sequences of 1 token) and one
-    prefill (1 sequence of ``prefill_len`` tokens). Reports tokens/s (tokens per forward / time) and int8 / bf16."""
+    prefill (1 sequence of ``prefill_len`` tokens). Reports tokens/s (tokens per forward / time) and int8 / bf16;
+    with ``profile_host``, also the host-time table of one eager forward each (``host_profile``)."""
     import statistics
 
     import transformers
@@ -460,6 +472,10 @@ def e2e(layers, decode_batch, prefill_len, work, reps, json_path):
             log(f"e2e {which} {kind}: {ids.numel() / sec:.0f} tokens/s eager ({sec * 1e3:.2f} ms per forward of "
                 f"{ids.numel()} tokens, {host * 1e3:.2f} ms of it issuing on the host); CUDA graph: "
                 + ("not capturable" if graph is None else f"{graph * 1e3:.2f} ms"))
+            if profile_host:
+                table = host_profile(model, ids)
+                results[(which, kind)]["host_profile"] = table
+                log(f"e2e {which} {kind}: host profile of one eager forward\n{table}")
         del model
         torch.cuda.empty_cache()
     lines = [f"e2e: Qwen3-30B-A3B-shaped, {layers} layers, bf16 activations; "
@@ -507,6 +523,8 @@ def main():
     parser.add_argument("--e2e-prefill", type=int, default=4096)
     parser.add_argument("--e2e-work", default="build/e2e", help="where the e2e checkpoints are written")
     parser.add_argument("--e2e-reps", type=int, default=10)
+    parser.add_argument("--e2e-profile-host", action="store_true",
+                        help="--e2e: also torch.profiler's host-time table of one eager forward per model and shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
@@ -520,7 +538,8 @@ def main():
         compare(names, args.tokens, dtype, args.rep, args.md, args.json)
         return
     if args.e2e:
-        e2e(args.e2e_layers, args.e2e_decode_batch, args.e2e_prefill, args.e2e_work, args.e2e_reps, args.json)
+        e2e(args.e2e_layers, args.e2e_decode_batch, args.e2e_prefill, args.e2e_work, args.e2e_reps, args.json,
+            args.e2e_profile_host)
         return
 
     baselines = []  # (name, fn, capturable), tried in order; the first that runs is kept for the whole run

@@ -9,6 +9,7 @@
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM, profile, end to end (~5 min)
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
+#   bash bench/device.sh e2e-profile   # host-time profile of the e2e forwards; the sort-free decode against sorted
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -68,6 +69,11 @@ case "${1:-}" in
     timeout 200 python3 bench/vllm_compare.py /tmp/small --families mixtral,qwen3_moe --runs online,converted \
       --parallel 2 --prepare-timeout 100 --budget 190 2>&1 | tail -12 || true
     cp /tmp/small/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
+  e2e-profile)
+    # no vLLM needed: the e2e forwards with torch.profiler's host-time table of one eager forward each
+    export PYTHONPATH=$PWD
+    timeout 200 python3 bench/bench_kernel.py --e2e --e2e-profile-host --json "$OUT/e2e_prof.json" 2>&1 | tail -120 || true
+    timeout 100 python3 bench/bench_sort_free.py --json "$OUT/sort_free.json" 2>&1 | grep -v '^{' | tail -8 || true ;;
   issue12)
     vllm_env
     timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \
