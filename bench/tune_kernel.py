@@ -21,7 +21,8 @@ with the weights and routing of bench/bench_kernel.py (random int8 codes, per-ro
 2. stage B: the best ``--refine`` (2) (tile, SWAP_AB) of stage A again with num_warps (4, 8) x num_stages (3, 4);
    then, for decode-sized groups (T * top_k / E <= 16), each of them at its best num_warps / num_stages with
    SPLIT_K 2, 4 and 8 (those with cdiv(I, BLOCK_SIZE_K) >= SPLIT_K: GEMM2's K is I); then the best three configs
-   without SWAP_AB or FUSE_ACT with FUSE_ACT, at their BLOCK_SIZE_N and at half of it (not with ``--space``);
+   without SWAP_AB or FUSE_ACT with FUSE_ACT, at their BLOCK_SIZE_N and at half of it (tiles of 128 x 128 and more
+   also with 8 warps and 4 down to 2 stages: two accumulators; not with ``--space``);
 3. final: the best 3 configs and the default re-timed with ``--final-rep``; the fastest whose output is within the
    kernel tests' bounds of the fp32 ``moe_reference`` (rel <= 8u, worst token <= 16u; u = 2^-8 bf16, 2^-11 fp16)
    is the point's winner.
@@ -35,8 +36,10 @@ Cost: the default run of the 18 points (3 shapes x T 1, 8, 32, 128, 1024, 4096, 
 of stage A are ~240; a SPLIT_K variant compiles GEMM2 only) and makes ~680 timings (per point 22 to 75 in the
 search, plus 3 or 4 final ones): one device call of at most ~480 s (``--budget-s 480``). Measured on an H200 (16
 cores, 12 compile workers, Triton 3.6, empty Triton cache, 2026-12-01): 354 configs compiled (134 s of the workers'
-wall time), 613 + 63 timings, 194 s in all, before FUSE_ACT was in the space (it adds at most 6 timings and
-6 compilations in the timing process per point); ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the
+wall time), 613 + 63 timings, 194 s in all, before FUSE_ACT was in the space; with it (second run, same day, warm
+Triton cache of the first): 428 compiled, 792 timings, 172 s with ``--budget-s 200``. FUSE_ACT adds per point at
+most 6 timings, 15 where the best tiles are 128 x 128 or larger (8 warps, 4 down to 2 stages), compiled in the
+timing process; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the
 larger part; the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k
 divisible by 16 or not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
 bounds for other shapes and token counts.
@@ -172,17 +175,31 @@ def stage_b(tiles, quick) -> list[dict]:
     return out
 
 
+FUSE_BIG_TILE = 128 * 128
+"""A fused tile of at least BLOCK_SIZE_M x BLOCK_SIZE_N elements holds two fp32 accumulators of that size: 128 x 128
+x 2 x 4 bytes over 4 warps is 256 registers a thread, and its shared memory passed the H200's at num_stages 4
+(Triton asked for 256 KiB; the tuner's 2026-12-01 run). Such tiles are also tried with 8 warps and fewer stages."""
+
+
 def stage_fuse(best) -> list[dict]:
     """``best`` (configs with SWAP_AB false) with FUSE_ACT: at the same BLOCK_SIZE_N (gate and up tiles of N columns
     each: twice the weight rows per program) and at half of it (the same weight rows per program as unfused), where
-    the doubled B tile fits shared memory."""
+    the doubled B tile fits shared memory; a tile of ``FUSE_BIG_TILE`` elements or more also with num_warps 8 at
+    its num_stages and at each smaller one down to 2."""
     out = []
     for c in best:
         if c.get("SWAP_AB", False):
             continue
-        for n in {c["BLOCK_SIZE_N"], c["BLOCK_SIZE_N"] // 2}:
-            if n >= 16 and smem(c["BLOCK_SIZE_M"], 2 * n, c["BLOCK_SIZE_K"], c["num_stages"]) <= SMEM_BYTES:
-                out.append(dict(c, BLOCK_SIZE_N=n, FUSE_ACT=True))
+        for n in sorted({c["BLOCK_SIZE_N"], c["BLOCK_SIZE_N"] // 2}):
+            if n < 16:
+                continue
+            fused = dict(c, BLOCK_SIZE_N=n, FUSE_ACT=True)
+            variants = [fused]
+            if c["BLOCK_SIZE_M"] * n >= FUSE_BIG_TILE:
+                variants += [dict(fused, num_warps=8, num_stages=st) for st in range(c["num_stages"], 1, -1)]
+            out += [v for v in variants
+                    if smem(v["BLOCK_SIZE_M"], 2 * n, v["BLOCK_SIZE_K"], v["num_stages"]) <= SMEM_BYTES
+                    and v not in out]
     return out
 
 

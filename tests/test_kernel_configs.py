@@ -309,6 +309,11 @@ def test_tuner_space():
     fused = tk.stage_fuse([tk.make_cfg(16, 64, 128, 1, 4, 4), tk.make_cfg(16, 64, 128, 1, 4, 4, swap=True)])
     assert [(c["BLOCK_SIZE_N"], c["FUSE_ACT"]) for c in sorted(fused, key=lambda c: c["BLOCK_SIZE_N"])] == \
         [(32, True), (64, True)]  # half and same N; never with SWAP_AB
+    big = tk.stage_fuse([tk.make_cfg(128, 128, 64, 8, 4, 4)])  # two 128 x 128 accumulators: 8 warps, fewer stages
+    assert [tk.cfg_id(c) for c in big] == [  # half N: two 128 x 64 accumulators, as many registers as unfused
+        "M128_N64_K64_G8_w4_s4_fuse", "M128_N128_K64_G8_w4_s4_fuse", "M128_N128_K64_G8_w8_s4_fuse",
+        "M128_N128_K64_G8_w8_s3_fuse", "M128_N128_K64_G8_w8_s2_fuse"]
+    assert all(tuned.check_config(c) == c for c in big)
 
     for per_expert, t in ((0.0625, 1), (64, 1024), (256, 4096), (32, 128)):
         a = tk.stage_a(per_expert, t, quick=False)
