@@ -39,8 +39,9 @@ cores, 12 compile workers, Triton 3.6, empty Triton cache, 2026-12-01): 354 conf
 wall time), 613 + 63 timings, 194 s in all, before FUSE_ACT was in the space; with it (second run, same day; a
 cache holding only the GPU tests' kernels): 428 compiled, 792 timings, 172 s with ``--budget-s 200``. FUSE_ACT
 adds per point at most 6 timings, 15 where the best tiles are 128 x 128 or larger (8 warps, 4 down to 2 stages),
-compiled in the timing process; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the larger part; the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k
-divisible by 16 or not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
+compiled in the timing process; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the larger part;
+the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k divisible by 16 or
+not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
 bounds for other shapes and token counts.
 
 Each time is the median of ``triton.testing.do_bench`` replaying the whole pipeline (sort, GEMM1, activation, GEMM2,
