@@ -91,7 +91,7 @@ def profile_shape(name, tokens, iters, dtype, copy_gbs):
         from expq.kernels import fused_moe_triton as fk
 
         bm = cfg["BLOCK_SIZE_M"]
-        bound = -(-min(t * top_k + e * (bm - 1), t * top_k * bm) // bm) * bm
+        bound = moe.max_padded_length(t * top_k, bm, e)
         sort_passes_us = {p: graph_time(lambda p=p: fk.invoke_moe_align(ti, bm, e, bound, passes=p), 20)
                           for p in (1, 2)}
         active = int(torch.unique(ti).numel())

@@ -145,6 +145,9 @@ def test_align_block_size_layout(t, top_k, num_experts, block):
     expected = [e for e in range(num_experts) for _ in range(-(-int(counts[e]) // block))]
     assert expert_ids[:blocks.shape[0]].tolist() == expected
     assert int(num_post) == sum(-(-int(c) // block) * block for c in counts)
+    # the documented bound, a multiple of the block, covers this routing and is the outputs' length
+    bound = moe_mod.max_padded_length(t * top_k, block, num_experts)
+    assert bound % block == 0 and int(num_post) <= bound == sorted_ids.numel() == expert_ids.numel() * block
     # within an expert the pairs keep their order (stable sort)
     for e in range(num_experts):
         members = [p for p in sorted_ids[:int(num_post)].tolist() if p < t * top_k and topk_ids.reshape(-1)[p] == e]
@@ -277,7 +280,7 @@ def test_align_one_pass_and_two_pass_agree(interpret, numel, num_experts, block)
     g = torch.Generator().manual_seed(numel)
     ids = torch.randint(0, num_experts, (numel,), generator=g)
     ids[[0, numel // 2, numel - 1]] = torch.tensor([-1, num_experts, 2**32 + 1])
-    bound = -(-min(numel + num_experts * (block - 1), numel * block) // block) * block  # the documented bound
+    bound = moe_mod.max_padded_length(numel, block, num_experts)
     one = fk.invoke_moe_align(ids, block, num_experts, bound, passes=1)
     two = fk.invoke_moe_align(ids, block, num_experts, bound, passes=2)
     for name, a, b in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), one, two):

@@ -42,7 +42,6 @@ import triton.language as tl
 # which gives this module's own helpers interpreted twins as well).
 
 
-
 @triton.jit
 def _add_combine(a, b):
     return a + b
@@ -84,7 +83,15 @@ def _act_and_mul(g, u, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.
     return y
 
 
-_CALLED_HELPERS = ("_act_and_mul",)
+@triton.jit
+def _expert_bin(ids, offs, numel, num_experts):
+    """The histogram bin of each pair's id (int32): the id where the lane is a pair (offs < numel) and the id lies in
+    [0, num_experts) (compared in the ids' own dtype, int64 too), else num_experts (the bin of masked lanes and bad
+    ids, which no group gets)."""
+    return tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+
+
+_CALLED_HELPERS = ("_act_and_mul", "_expert_bin")
 """The @triton.jit helpers the kernels call (their CPU twins call interpreted twins of them; see ``_twin``)."""
 
 
@@ -315,7 +322,7 @@ def moe_align_count_kernel(
     pid = tl.program_id(axis=0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
-    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+    ids = _expert_bin(ids, offs, numel, num_experts)
     tl.store(chunk_counts_ptr + pid * NB + tl.arange(0, NB), tl.histogram(ids, NB))
 
 
@@ -358,7 +365,7 @@ def moe_align_kernel(
         for start in range(0, numel, HCHUNK):
             offs = start + tl.arange(0, HCHUNK)
             ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
-            ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+            ids = _expert_bin(ids, offs, numel, num_experts)
             counts += tl.histogram(ids, NB)
             before += tl.histogram(tl.where(offs < chunk_start, ids, num_experts), NB)
     real = bins < num_experts
@@ -375,8 +382,8 @@ def moe_align_kernel(
     tl.debug_barrier()
     lane = tl.arange(0, CHUNK)
     offs = chunk_start + lane
-    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)  # compared in their own dtype (int64 too)
-    ids = tl.where((offs < numel) & (ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=0)
+    ids = _expert_bin(ids, offs, numel, num_experts)
     rank = tl.reduce(((ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), 1, _ADD)
     pos = tl.load(row + ids) + rank
     tl.store(sorted_token_ids_ptr + pos, offs.to(tl.int32), mask=ids < num_experts)

@@ -55,6 +55,7 @@ __all__ = [
     "moe_reference",
     "moe_reference_dense",
     "naive_block_assignment",
+    "max_padded_length",
     "select_backend",
     "sorts_pairs",
 ]
@@ -374,8 +375,9 @@ def _device_guard(device: torch.device):
     return torch.cuda.device(device) if switch else contextlib.nullcontext()
 
 
-def _max_padded(numel: int, block_size: int, num_experts: int) -> int:
-    """moe_align_block_size's bound on the padded length (see its docstring)."""
+def max_padded_length(numel: int, block_size: int, num_experts: int) -> int:
+    """``moe_align_block_size``'s bound on the padded length of ``numel`` pairs over ``num_experts`` experts in
+    blocks of ``block_size`` (the length of its ``sorted_token_ids``; see its docstring for why it holds)."""
     bound = min(numel + num_experts * (block_size - 1), numel * block_size)
     return -(-bound // block_size) * block_size
 
@@ -414,7 +416,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         raise ValueError(f"num_experts: expected >= 1, got {num_experts}")
     device = topk_ids.device
     numel = topk_ids.numel()
-    max_padded = _max_padded(numel, block_size, num_experts)
+    max_padded = max_padded_length(numel, block_size, num_experts)
     if select_backend(device, backend) == "triton" and numel > 0:
         from . import fused_moe_triton as fk
 
@@ -533,6 +535,7 @@ def sorts_pairs(num_tokens: int, top_k: int, num_experts: int) -> bool:
     expert from topk_ids; the output is the same bit for bit."""
     return num_tokens > 1 and num_tokens * top_k > num_experts * UNSORTED_MAX_PAIRS_PER_EXPERT
 
+
 SPLIT_K_MAX_BYTES = 256 * 2**20
 """Largest fp32 split-K partial buffer (SPLIT_K x T*top_k x H x 4 bytes) the pipeline allocates: a larger SPLIT_K is
 halved until it fits (SPLIT_K is for decode-sized batches; a table's nearest bucket may hand it to a big one)."""
@@ -597,10 +600,10 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     bias2 = None if w2_bias is None else w2_bias.to(torch.float32).contiguous()
 
     block_m = config["BLOCK_SIZE_M"]
-    split = max(1, min(config.get("SPLIT_K", 1), -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
+    split = max(1, min(config["SPLIT_K"], -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
     while split > 1 and split * num_pairs * h_dim * 4 > SPLIT_K_MAX_BYTES:  # a decode knob: never a huge buffer
         split //= 2
-    fuse = bool(config.get("FUSE_ACT", False))
+    fuse = config["FUSE_ACT"]
     cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
     out = torch.empty(t_dim, h_dim, dtype=dtype, device=device)
@@ -617,7 +620,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                           unsorted_ids=topk_ids.reshape(-1).contiguous())  # the kernel reads ids[p] at ptr + p
         else:
             sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
-                                                                   _max_padded(num_pairs, block_m, e_dim))
+                                                                   max_padded_length(num_pairs, block_m, e_dim))
             blocks = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post)
         if fuse:  # GEMM1 and the activation in one launch
             fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, **blocks, top_k=top_k,
