@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from expq.kernels import fused_moe_int8, moe_reference  # noqa: E402
+from expq.kernels import fused_moe_int8, moe_reference, tuned  # noqa: E402
 
 SHAPES = {
     # name: (E, H, I, top_k)
@@ -190,14 +190,6 @@ SWEEP_CONFIGS = [
 ]
 
 
-def full_config(cfg) -> dict:
-    """``cfg`` with all the kernel's knobs (``expq.kernels.tuned.CONFIG_KEYS``): SPLIT_K 1 and SWAP_AB False where it
-    leaves them out, so that printed, stored and compared configs always show them."""
-    from expq.kernels import tuned
-
-    return tuned.check_config(cfg)
-
-
 def sweep(names, tokens, dtype, rep):
     """Graph-replay time of fused_moe_triton with each SWEEP_CONFIGS entry whose BLOCK_SIZE_M suits the tokens."""
     from expq.kernels import moe
@@ -219,9 +211,9 @@ def sweep(names, tokens, dtype, rep):
                     results.append((us, cfg))
             us_default = graph_time(lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti), rep)
             results.sort(key=lambda r: r[0])
-            print(f"SWEEP {name} T={t}: default {us_default:.1f} us {full_config(default)}", flush=True)
+            print(f"SWEEP {name} T={t}: default {us_default:.1f} us {tuned.check_config(default)}", flush=True)
             for us, cfg in results[:5]:
-                print(f"SWEEP     {us:.1f} us {full_config(cfg)}", flush=True)
+                print(f"SWEEP     {us:.1f} us {tuned.check_config(cfg)}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
 
@@ -248,7 +240,7 @@ def compare(names, tokens, dtype, rep, md_path, json_path):
     bytes of the experts that have tokens / time / measured copy bandwidth); rel. error against moe_reference."""
     import triton
 
-    from expq.kernels import moe, tuned
+    from expq.kernels import moe
     from kernel_baselines import BASELINES, WEIGHT_BYTES_PER_ELEMENT, Unavailable, vllm_context
 
     dev = "cuda"
@@ -278,9 +270,8 @@ def compare(names, tokens, dtype, rep, md_path, json_path):
                 x, tw, ti = make_routing(t, e, h, top_k, dtype, dev, g)
                 used = int(torch.unique(ti).numel())
                 int8_bytes = used * 3 * i * h
-                cfg_used = full_config(moe.get_config(t, e, top_k, dev, hidden_size=h, intermediate_size=i,
-                                                      dtype=dtype))
-                cfg_default = full_config(moe.get_config(t, e, top_k, dev, tuned=False))
+                cfg_used = moe.get_config(t, e, top_k, dev, hidden_size=h, intermediate_size=i, dtype=dtype)
+                cfg_default = moe.get_config(t, e, top_k, dev, tuned=False)  # both with all of tuned.CONFIG_KEYS
                 impls = {"expq": lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti, config=cfg_used)}
                 if cfg_used != cfg_default:
                     impls["expq-default"] = lambda: moe.fused_moe_triton(x, w13, w2, s13, s2, tw, ti,
