@@ -5,11 +5,13 @@
 #   bash bench/device.sh stage 00      # carry [".vllm/bundle.part-00", ".vllm/bundle.sha256"]
 #   bash bench/device.sh stage 01      # carry [".vllm/bundle.part-01"]
 #   bash bench/device.sh install       # carry [".vllm/bundle.part-02", ".whl-min"]: vLLM 0.24 + expq's wheel
-#   bash bench/device.sh kernel-tune   # GPU kernel tests, then bench/tune_kernel.py (one call, ~5 min)
+#   bash bench/device.sh gpu-tests     # the GPU kernel tests (~80 s)
+#   bash bench/device.sh kernel-tune   # bench/tune_kernel.py (BUDGET_S, TUNE_ARGS: e.g. "--tokens 1024 --base ...")
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM, profile, end to end (~5 min)
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #   bash bench/device.sh e2e-profile   # host-time profile of the e2e forwards; the sort-free decode against sorted
+#   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, 2 GEMMs
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -45,12 +47,28 @@ case "${1:-}" in
       > /tmp/stub/model_hosting_container_standards/sagemaker/__init__.py
     vllm_env
     python3 -c "import vllm, expq.engines.vllm as p; print('vllm', vllm.__version__)" ;;
+  gpu-tests)
+    export PYTHONPATH=$PWD
+    mkdir -p "$OUT"
+    timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -15 || true ;;
   kernel-tune)
     export PYTHONPATH=$PWD
     mkdir -p "$OUT/tune"
-    timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 | tail -15 || true
-    python3 bench/tune_kernel.py --out build/tune --budget-s "${BUDGET_S:-380}" 2> "$OUT/tune/log.txt" | tail -3
+    # shellcheck disable=SC2086 # TUNE_ARGS is a list of arguments
+    python3 bench/tune_kernel.py --out build/tune --budget-s "${BUDGET_S:-380}" ${TUNE_ARGS:-} \
+      2> "$OUT/tune/log.txt" | tail -3
     cp build/tune/*.json "$OUT/tune/" ;;
+  kernel-ir)
+    export PYTHONPATH=$PWD
+    mkdir -p "$OUT"
+    for key in "E=8,H=4096,I=14336,top_k=2,dtype=bfloat16 4096 14336" "E=128,H=2048,I=768,top_k=8,dtype=bfloat16 2048 768" \
+               "E=256,H=7168,I=2048,top_k=8,dtype=bfloat16 7168 2048"; do
+      set -- $key
+      for k in "$2" "$3"; do
+        timeout 120 python3 bench/kernel_ir.py --shape "$1" --k "$k" --json "$OUT/ir_${1%%,*}_K$k.json" 2>&1 | tail -8 || true
+      done
+    done ;;
   kernel-compare)
     vllm_env
     [ -f build/tune/NVIDIA_H200.json ] && export EXPQ_KERNEL_CONFIGS=$PWD/build/tune

@@ -88,19 +88,23 @@ RAW_FORMAT = "expq-moe-tune-raw/1"
 SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB of shared memory per block; keep a margin
 
 # The search space (see the module docstring).
-TILE_M = (16, 32, 64, 128)
+TILE_M = (16, 32, 64, 128, 256)
 TILE_N = (64, 128)
 TILE_N_LARGE = (256,)  # only for T >= LARGE_T
 LARGE_T = 1024
 TILE_K = (64, 128, 256)
 SWAPS = (False, True)
 A_WARPS = 4
+BIG_ACC = 128 * 256
+"""A tile of at least this many fp32 accumulator elements (BLOCK_SIZE_M x BLOCK_SIZE_N) is run with 8 warps only (at
+4 its 256 accumulator registers a thread spill), and a larger one not at all (256 x 256: 256 registers a thread at
+8 warps). vLLM's bf16 tables for Mixtral and Qwen3 on the H200 use 128 x 256 tiles at 8 warps from 1,024 tokens on."""
 A_STAGES = (4, 3, 2)  # stage A: the first (deepest) that fits shared memory
 WARPS = (4, 8)
 STAGES = (3, 4)
 SPLITS = (2, 4, 8)
 SPLIT_MAX_PER_EXPERT = 16  # SPLIT_K is tried only for T * top_k / E <= this (decode-sized groups)
-QUICK_K = {16: (128,), 32: (128,), 64: (64,), 128: (64,)}  # --quick: one BLOCK_SIZE_K per BLOCK_SIZE_M
+QUICK_K = {16: (128,), 32: (128,), 64: (64,), 128: (64,), 256: (64,)}  # --quick: one BLOCK_SIZE_K per BLOCK_SIZE_M
 QUICK_SPLITS = (2, 4)
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -131,9 +135,20 @@ def tile_of(c) -> tuple:
 
 
 def smem(m, n, k, s) -> int:
-    """Shared memory of the software pipeline: per stage an A tile (16-bit) and a B tile (int8); the same bytes with
-    SWAP_AB (the tiles are only used transposed)."""
-    return s * (m * k * 2 + k * n)
+    """Shared memory of the software pipeline: per stage an A tile (16-bit) and a B tile (int8), plus one B tile
+    converted to 16 bits (without SWAP_AB the converted tile is the MMA's shared-memory operand; with SWAP_AB it is
+    a register operand, and the bound is kept)."""
+    return s * (m * k * 2 + k * n) + k * n * 2
+
+
+def tile_fits(m, n) -> bool:
+    """The accumulator is at most ``BIG_ACC`` elements."""
+    return m * n <= BIG_ACC
+
+
+def warps_for(m, n, warps) -> tuple:
+    """``warps`` without 4 for an accumulator of ``BIG_ACC`` elements (see there)."""
+    return tuple(w for w in warps if not (m * n >= BIG_ACC and w < 8))
 
 
 def group_m(m) -> int:
@@ -146,7 +161,8 @@ def m_allowed(m, per_expert) -> bool:
 
 
 def stage_a(per_expert, tokens, quick) -> list[dict]:
-    """The tiles (BLOCK_SIZE_M x N x K) x SWAP_AB at num_warps 4, the deepest stages that fit, SPLIT_K 1."""
+    """The tiles (BLOCK_SIZE_M x N x K) x SWAP_AB at num_warps 4 (8 for ``BIG_ACC`` accumulators), the deepest
+    stages that fit, SPLIT_K 1."""
     out = []
     ns = TILE_N + (TILE_N_LARGE if tokens >= LARGE_T and not quick else ())
     for m in TILE_M:
@@ -155,23 +171,26 @@ def stage_a(per_expert, tokens, quick) -> list[dict]:
         for n in ns:
             for k in (QUICK_K[m] if quick else TILE_K):
                 s = next((s for s in A_STAGES if smem(m, n, k, s) <= SMEM_BYTES), None)
-                if s is None:
+                if s is None or not tile_fits(m, n):
                     continue
                 for swap in SWAPS:
-                    out.append(make_cfg(m, n, k, group_m(m), A_WARPS, s, 1, swap))
+                    out.append(make_cfg(m, n, k, group_m(m), 8 if m * n >= BIG_ACC else A_WARPS, s, 1, swap))
     return out
 
 
 def stage_b(tiles, quick) -> list[dict]:
-    """num_warps x num_stages of each (BLOCK_SIZE_M, N, K, SWAP_AB) in ``tiles`` (none with ``quick``)."""
+    """num_warps x num_stages of each (BLOCK_SIZE_M, N, K, SWAP_AB) in ``tiles`` (none with ``quick``); for
+    BLOCK_SIZE_M >= 64 also with GROUP_SIZE_M 16 (vLLM's bf16 tables' prefill value: 16 M blocks, an expert's or
+    two, walk one N tile before the next)."""
     if quick:
         return []
     out = []
     for m, n, k, swap in tiles:
-        for w in WARPS:
-            for s in STAGES:
-                if smem(m, n, k, s) <= SMEM_BYTES:
-                    out.append(make_cfg(m, n, k, group_m(m), w, s, 1, swap))
+        for g in (group_m(m),) + ((16,) if m >= 64 else ()):
+            for w in warps_for(m, n, WARPS):
+                for s in STAGES:
+                    if smem(m, n, k, s) <= SMEM_BYTES:
+                        out.append(make_cfg(m, n, k, g, w, s, 1, swap))
     return out
 
 
@@ -389,15 +408,22 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def build_table(raw) -> dict:
-    shapes: dict = {}
+def build_table(raw, base=None) -> dict:
+    """The table of ``raw``'s finished points; with ``base`` (a table of this format, e.g. the shipped one) its
+    entries too, where this run has none (a partial re-tune gives a whole table)."""
+    shapes: dict = {k: {t: tuned.check_config(c) for t, c in v.items()}  # all eight keys, as this run's
+                    for k, v in (base or {}).get("shapes", {}).items()}
     for p in raw["points"].values():
         if p.get("done") and p.get("winner"):
             shapes.setdefault(p["key"], {})[str(p["tokens"])] = tuned.check_config(p["winner"])  # all eight keys
     for k in shapes:
         shapes[k] = dict(sorted(shapes[k].items(), key=lambda kv: int(kv[0])))
-    return dict(format=tuned.FORMAT, measured=True, gpu=raw["gpu"],
-                meta=dict(raw["meta"], points=sum(len(v) for v in shapes.values())), shapes=shapes)
+    meta = dict(raw["meta"], points=sum(len(v) for v in shapes.values()))
+    if base is not None:
+        meta["base"] = dict(base.get("meta", {}), entries_kept=sum(
+            1 for k, v in base.get("shapes", {}).items() for t in v
+            if not raw["points"].get(f"{k}|T={t}", {}).get("done")))
+    return dict(format=tuned.FORMAT, measured=True, gpu=raw["gpu"], meta=meta, shapes=shapes)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -419,6 +445,9 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--space", default=None, help=argparse.SUPPRESS)  # tests: JSON list of configs, stage A only
     ap.add_argument("--plan", action="store_true", help="print the size of the search (no GPU needed) and exit")
+    ap.add_argument("--base", default=None,
+                    help="a table (e.g. expq/kernels/configs/NVIDIA_H200.json) whose entries the written table keeps "
+                         "where this run tuned no point: re-tune some points, ship a whole table")
     a = ap.parse_args()
     refine = 1 if a.quick and a.refine == 2 else a.refine
     if a.plan:
@@ -448,6 +477,15 @@ def main():
     if raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
         sys.exit(f"{raw_path}: not a raw file of this tuner for {gpu!r}; use another --out")
     space = None if a.space is None else json.loads(a.space)
+    base = None
+    if a.base is not None:
+        try:
+            base = json.loads(Path(a.base).read_text())
+            tuned.parse_table(base)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"{a.base}: {exc}")
+        if base.get("gpu") != gpu:
+            sys.exit(f"{a.base}: a table for {base.get('gpu')!r}, not {gpu!r}")
     shapes = parse_shapes(a.shapes)
     points = [(n, s, t) for n, s in shapes for t in a.tokens]
     todo = [(n, s, t) for n, s, t in points
@@ -461,7 +499,7 @@ def main():
     def save():
         raw["meta"]["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_json(raw_path, raw)
-        write_json(table_path, build_table(raw))
+        write_json(table_path, build_table(raw, base))
 
     try:
         for name, (e, h, i, top_k) in shapes:

@@ -55,7 +55,7 @@ CONFIG_DEFAULTS = {"SPLIT_K": 1, "SWAP_AB": False, "FUSE_ACT": False}
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 __all__ = ["CONFIG_DEFAULTS", "CONFIG_DIR", "CONFIG_KEYS", "FORMAT", "check_config", "clear_cache", "load_table",
-           "lookup", "normalize_gpu_name", "pick_bucket", "shape_key"]
+           "lookup", "normalize_gpu_name", "parse_table", "pick_bucket", "shape_key"]
 
 
 def normalize_gpu_name(name: str) -> str:
@@ -111,8 +111,13 @@ def check_config(cfg) -> dict:
     return {k: cfg[k] for k in CONFIG_KEYS}
 
 
-def _parse(data, path) -> dict:
-    """{shape key: sorted [(bucket, config)]} from a file's JSON, or ValueError."""
+def parse_table(data) -> dict:
+    """A table file's JSON (``FORMAT``, ``"measured": true``) as {shape key: [(token bucket, full config)] sorted by
+    bucket}.
+
+    Raises:
+        ValueError: not this format, not marked measured, or a bad bucket or config (the message names it).
+    """
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"not an {FORMAT} table")
     if data.get("measured") is not True:
@@ -169,7 +174,7 @@ def load_table(gpu_name: str) -> dict | None:
         if not path.is_file():
             continue
         try:
-            table = _parse(json.loads(path.read_text()), path)
+            table = parse_table(json.loads(path.read_text()))
             break
         except (OSError, ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
             warnings.warn(f"expq: ignoring the kernel config table {path}: {e}", RuntimeWarning, stacklevel=2)
