@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -135,10 +136,8 @@ def eager_time(fn, rep):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
 
 
-def graph_time(fn, rep):
-    """Median time of one replay of fn captured in a CUDA graph (us), or None if fn cannot be captured."""
-    import triton
-
+def capture_graph(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream), or None if it cannot be captured."""
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -151,13 +150,28 @@ def graph_time(fn, rep):
             fn()
         graph.replay()
         torch.cuda.synchronize()
-        us = triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median") * 1e3
-        del graph
-        return us
+        return graph
     except Exception as exc:  # noqa: BLE001 - report and go on without graph timing
         log(f"graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
         torch.cuda.synchronize()
         return None
+
+
+def replay_time(graph, rep):
+    """Median time of one replay of a captured graph (us): triton.testing.do_bench, L2 cleared before each."""
+    import triton
+
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
+def graph_time(fn, rep):
+    """Median time of one replay of fn captured in a CUDA graph (us), or None if fn cannot be captured."""
+    graph = capture_graph(fn)
+    if graph is None:
+        return None
+    us = replay_time(graph, rep)
+    del graph
+    return us
 
 
 def make_weights(e, h, i, dev, seed=0):
@@ -234,10 +248,12 @@ def copy_bandwidth(rep=200):
     return 2 * 2 * 1024**3 / ms / 1e6
 
 
-def compare(names, tokens, dtype, rep, md_path, json_path):
+def compare(names, tokens, dtype, rep, md_path, json_path, rounds=3):
     """One row per (shape, tokens): graph-replay median (us) of expq (its table entry if the GPU has one, else the
     default; the default too when they differ), vLLM bf16, vLLM int8_w8a16 and Marlin; %copy of each (its own weight
-    bytes of the experts that have tokens / time / measured copy bandwidth); rel. error against moe_reference."""
+    bytes of the experts that have tokens / time / measured copy bandwidth); rel. error against moe_reference.
+    Each implementation's graph is captured once and timed ``rounds`` times, the rounds interleaved across the
+    implementations (each round in a rotated order); the time is the median of its rounds."""
     import triton
 
     from expq.kernels import moe
@@ -282,25 +298,41 @@ def compare(names, tokens, dtype, rep, md_path, json_path):
                 row = dict(shape=name, E=e, H=h, I=i, top_k=top_k, tokens=t, dtype=str(dtype)[6:],
                            experts_touched=used, expq_config=cfg_used,
                            expq_config_source="table" if cfg_used != cfg_default else "default", impl={})
+                graphs = {}
                 for iname, fn in impls.items():
-                    r = dict(us=None, timing=None, rel_err=None, pct_copy=None, error=None)
+                    r = dict(us=None, timing=None, rel_err=None, pct_copy=None, error=None, rounds_us=[])
                     try:
                         out = fn()
                         torch.cuda.synchronize()
                         r["rel_err"] = rel_err(out, ref)
                         del out
-                        us = graph_time(fn, rep)
-                        r["timing"] = "graph"
-                        if us is None:
-                            us, r["timing"] = eager_time(fn, rep), "eager"
-                        r["us"] = us
-                        nbytes = int8_bytes * WEIGHT_BYTES_PER_ELEMENT.get(iname, 1)
-                        r["pct_copy"] = 100 * nbytes / (us * 1e-6) / 1e9 / bw
+                        graphs[iname] = capture_graph(fn)
+                        if graphs[iname] is None:
+                            r["rounds_us"], r["timing"] = [eager_time(fn, rep)], "eager"
+                        else:
+                            r["timing"] = "graph"
                     except Exception as exc:  # noqa: BLE001 - recorded in the row
                         r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                         log(f"{name} T={t} {iname} failed: {r['error']}")
                         torch.cuda.synchronize()
                     row["impl"][iname] = r
+                # Interleaved rounds, each starting at the next implementation: clock drift (a long prefill heats
+                # the GPU) spreads over all of them instead of favouring whichever ran first.
+                order = [k for k, g in graphs.items() if g is not None]
+                for rnd in range(rounds if order else 0):
+                    shift = rnd % len(order)
+                    for iname in order[shift:] + order[:shift]:
+                        try:
+                            row["impl"][iname]["rounds_us"].append(replay_time(graphs[iname], rep))
+                        except Exception as exc:  # noqa: BLE001 - recorded in the row
+                            row["impl"][iname]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                            torch.cuda.synchronize()
+                del graphs
+                for iname, r in row["impl"].items():
+                    if r["rounds_us"]:
+                        r["us"] = statistics.median(r["rounds_us"])
+                        nbytes = int8_bytes * WEIGHT_BYTES_PER_ELEMENT.get(iname, 1)
+                        r["pct_copy"] = 100 * nbytes / (r["us"] * 1e-6) / 1e9 / bw
                 del ref
                 base = {k: v["us"] for k, v in row["impl"].items() if k in BASELINES and v["us"]}
                 best = min(base, key=base.get) if base else None
@@ -316,8 +348,9 @@ def compare(names, tokens, dtype, rep, md_path, json_path):
             torch.cuda.empty_cache()
 
     meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, dtype=str(dtype)[6:], copy_GBps=bw,
-                tuned_table=bool(table), skipped=skipped, rep_ms=rep, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                timing="triton.testing.do_bench median of CUDA-graph replays (L2 cleared before each), us")
+                tuned_table=bool(table), skipped=skipped, rep_ms=rep, rounds=rounds, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                timing=f"triton.testing.do_bench median of CUDA-graph replays (L2 cleared before each), median of "
+                       f"{rounds} interleaved rounds, us")
     try:
         import vllm
 
@@ -502,6 +535,8 @@ def main():
     parser.add_argument("--no-error", action="store_true", help="skip the fp32 reference")
     parser.add_argument("--no-graph", action="store_true", help="eager timing only")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--compare: interleaved timing rounds per implementation (median of them)")
     parser.add_argument("--sweep", action="store_true", help="instead: time a list of block configs (tuning aid)")
     parser.add_argument("--compare", action="store_true",
                         help="instead: expq vs vLLM bf16, vLLM int8_w8a16 and Marlin, same run (issue 13)")
@@ -526,7 +561,7 @@ def main():
         sweep(names, args.tokens, dtype, min(args.rep, 50))
         return
     if args.compare:
-        compare(names, args.tokens, dtype, args.rep, args.md, args.json)
+        compare(names, args.tokens, dtype, args.rep, args.md, args.json, args.rounds)
         return
     if args.e2e:
         e2e(args.e2e_layers, args.e2e_decode_batch, args.e2e_prefill, args.e2e_work, args.e2e_reps, args.json,

@@ -7,7 +7,8 @@
 #   bash bench/device.sh install       # carry [".vllm/bundle.part-02", ".whl-min"]: vLLM 0.24 + expq's wheel
 #   bash bench/device.sh gpu-tests     # the GPU kernel tests (~80 s)
 #   bash bench/device.sh kernel-tune   # bench/tune_kernel.py (BUDGET_S, TUNE_ARGS: e.g. "--tokens 1024 --base ...")
-#   bash bench/device.sh kernel-compare  # needs install: compare with vLLM, profile, end to end (~5 min)
+#   bash bench/device.sh kernel-compare  # needs install: compare with vLLM (3 interleaved rounds, ~5 min)
+#   bash bench/device.sh kernel-profile  # needs install: the kernel-by-kernel profile, end to end
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #   bash bench/device.sh e2e-profile   # host-time profile of the e2e forwards; the sort-free decode against sorted
@@ -65,16 +66,21 @@ case "${1:-}" in
     for key in "E=8,H=4096,I=14336,top_k=2,dtype=bfloat16 4096 14336" "E=128,H=2048,I=768,top_k=8,dtype=bfloat16 2048 768" \
                "E=256,H=7168,I=2048,top_k=8,dtype=bfloat16 7168 2048"; do
       set -- $key
+      e=${1%%,*}
       for k in "$2" "$3"; do
-        timeout 120 python3 bench/kernel_ir.py --shape "$1" --k "$k" --json "$OUT/ir_${1%%,*}_K$k.json" 2>&1 | tail -8 || true
+        timeout 120 python3 bench/kernel_ir.py --shape "$1" --k "$k" --json "$OUT/ir_E${e#E=}_K$k.json" 2>&1 \
+          | tail -8 || true
       done
     done ;;
   kernel-compare)
     vllm_env
-    [ -f build/tune/NVIDIA_H200.json ] && export EXPQ_KERNEL_CONFIGS=$PWD/build/tune
-    timeout 300 python3 bench/bench_kernel.py --compare --md "$OUT/compare.md" --json "$OUT/compare.json" \
-      2> "$OUT/compare.err" | tail -30 || true
-    timeout 120 python3 bench/profile_kernel.py --iters 10 --json "$OUT/prof.json" --md "$OUT/prof.md" 2>&1 \
+    if [ -f build/tune/NVIDIA_H200.json ]; then export EXPQ_KERNEL_CONFIGS=$PWD/build/tune; fi
+    timeout 500 python3 bench/bench_kernel.py --compare --md "$OUT/compare.md" --json "$OUT/compare.json" \
+      2> "$OUT/compare.err" | tail -30 || true ;;
+  kernel-profile)
+    vllm_env
+    if [ -f build/tune/NVIDIA_H200.json ]; then export EXPQ_KERNEL_CONFIGS=$PWD/build/tune; fi
+    timeout 300 python3 bench/profile_kernel.py --iters 10 --json "$OUT/prof.json" --md "$OUT/prof.md" 2>&1 \
       | grep -v '^{' | tail -30 || true
     timeout 150 python3 bench/bench_kernel.py --e2e --json "$OUT/e2e.json" 2>&1 | tail -8 || true ;;
   serve-check)

@@ -12,7 +12,10 @@ weight bandwidth (int8 bytes of the experts that have tokens / kernel time) as a
 measured in the same run, and the tensor throughput (2 * pairs * N * K / time, in TFLOP/s). "sort alone": the CUDA-graph
 time of the sort by itself with one launch and with two (``invoke_moe_align(passes=...)``). "gaps" = the CUDA-graph
 time of the whole pipeline (bench_kernel.graph_time) minus the sum of the kernel times: launch gaps and tails
-between dependent kernels that a graph does not remove.
+between dependent kernels that a graph does not remove. "GEMM1 int8 / bf16 weights" (T >= ``--convert-from``): GEMM1
+alone (unfused, the point's tiles, CUDA graph) on the int8 codes and on the same codes stored as bf16: the same
+kernel and the same MMAs without the int8 -> bf16 conversion of each weight tile (and with twice the weight bytes,
+which a compute-bound GEMM hides): the conversion's share of a prefill GEMM.
 
 Batch invariance (``--invariance``, per shape): the first token of the largest batch, computed alone (T=1, with
 T=1's config) and inside every batch size of ``--tokens`` (each with its own config); reported: the fraction of
@@ -71,7 +74,27 @@ def profile_point(run, iters):
             for s, v in times.items()}
 
 
-def profile_shape(name, tokens, iters, dtype, copy_gbs):
+def conversion_cost(x, w13, s13, ti, t, e, i, top_k, dtype, cfg):
+    """(GEMM1 us on the int8 codes, GEMM1 us on the codes as bf16): CUDA-graph replays of GEMM1 alone, unfused."""
+    from expq.kernels import fused_moe_triton as fk
+
+    cfg1 = dict(cfg, FUSE_ACT=False)
+    bm = cfg1["BLOCK_SIZE_M"]
+    sorted_ids, expert_ids, num_post = fk.invoke_moe_align(ti, bm, e, moe.max_padded_length(t * top_k, bm, e))
+    cache = torch.empty(t * top_k, 2 * i, dtype=dtype, device="cuda")
+    w13_bf = w13.to(dtype)
+
+    def gemm1(w):
+        fk.invoke_fused_moe_w8a16(x, w, cache, s13, None, None, sorted_ids, expert_ids, num_post, top_k=top_k,
+                                  mul_routed_weight=False, config=cfg1)
+
+    out = (graph_time(lambda: gemm1(w13), 50), graph_time(lambda: gemm1(w13_bf), 50))
+    del w13_bf, cache
+    torch.cuda.empty_cache()
+    return out
+
+
+def profile_shape(name, tokens, iters, dtype, copy_gbs, convert_from=1024):
     """The rows of one shape (see the module docstring)."""
     e, h, i, top_k = SHAPES[name]
     w13, w2, s13, s2, _ = make_weights(e, h, i, "cuda")
@@ -94,11 +117,15 @@ def profile_shape(name, tokens, iters, dtype, copy_gbs):
         bound = moe.max_padded_length(t * top_k, bm, e)
         sort_passes_us = {p: graph_time(lambda p=p: fk.invoke_moe_align(ti, bm, e, bound, passes=p), 20)
                           for p in (1, 2)}
+        if t >= convert_from and moe.sorts_pairs(t, top_k, e):
+            row_conv = conversion_cost(x, w13, s13, ti, t, e, i, top_k, dtype, cfg)
+        else:
+            row_conv = None
         active = int(torch.unique(ti).numel())
         pairs = t * top_k
         row = dict(shape=name, tokens=t, config=cfg, us=med, graph_us=total_graph,
                    gaps_us=None if total_graph is None else total_graph - sum(med.values()),
-                   active_experts=active, copy_gbs=copy_gbs, sort_passes_us=sort_passes_us)
+                   active_experts=active, copy_gbs=copy_gbs, sort_passes_us=sort_passes_us, gemm1_int8_bf16w_us=row_conv)
         for step, n, k in (("gemm1", 2 * i, h), ("gemm2", h, i)):
             us = med[step]
             if us > 0:
@@ -131,6 +158,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_point_args(ap)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--convert-from", type=int, default=1024,
+                    help="from this many tokens, time GEMM1 on int8 and on bf16 weights (the conversion's share)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     a = ap.parse_args()
@@ -140,13 +169,13 @@ def main():
     copy_gbs = copy_bandwidth()
     rows = []
     for name in [n for n in SHAPES if any(n.startswith(s) for s in a.shapes)]:
-        rows += profile_shape(name, a.tokens, a.iters, dtype, copy_gbs)
+        rows += profile_shape(name, a.tokens, a.iters, dtype, copy_gbs, a.convert_from)
         torch.cuda.empty_cache()
     lines = [f"copy bandwidth {copy_gbs:.0f} GB/s; {torch.cuda.get_device_name()}; median of {a.iters} profiled runs, "
              "L2 flushed", "",
              "| shape | T | sort | GEMM1 (%copy, TFLOP/s) | act | GEMM2 (%copy, TFLOP/s) | sum | gaps | graph "
-             "| sort alone, 1 / 2 passes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| sort alone, 1 / 2 passes | GEMM1 int8 / bf16 weights |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "invariance" in r:
             continue
@@ -157,7 +186,9 @@ def main():
         graph = "" if r["graph_us"] is None else f"{r['graph_us']:.1f}"
         lines.append(f"| {r['shape']} | {r['tokens']} | {u['sort']:.1f} | {g1} | {u['act']:.1f} | {g2} | "
                      f"{u['sum']:.1f} | {gaps} | {graph} | "
-                     + " / ".join("-" if v is None else f"{v:.1f}" for v in r["sort_passes_us"].values()) + " |")
+                     + " / ".join("-" if v is None else f"{v:.1f}" for v in r["sort_passes_us"].values()) + " | "
+                     + ("" if not r["gemm1_int8_bf16w_us"] else
+                        " / ".join("-" if v is None else f"{v:.1f}" for v in r["gemm1_int8_bf16w_us"])) + " |")
     lines += ["", "Batch invariance of token 0 (vs computed alone): fraction of outputs that differ, max |diff| / norm",
               ""]
     lines += [f"- {r['shape']}: " + ", ".join(f"T={t}: {f:.3f}, {m:.1e}" for t, (f, m) in r["invariance"].items())

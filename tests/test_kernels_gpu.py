@@ -251,3 +251,28 @@ def test_weight_offsets_beyond_2_31(knobs):
     # negative control: the last expert's codes changed -> the output changes
     w13[e - 1, :16].neg_()
     assert errors(moe_mod.fused_moe_triton(*args, config=cfg), ref)[0] > 1e-4
+
+
+# Prefill tiles the tuner searches (bench/tune_kernel.py: BLOCK_SIZE_M 256, 8 warps for 128 x 256 accumulators,
+# SWAP_AB) as (BLOCK_SIZE_M, N, K, SWAP_AB, FUSE_ACT, num_warps, num_stages).
+PREFILL_TILES = [(256, 128, 64, True, False, 8, 3), (256, 128, 64, True, False, 8, 4),
+                 (256, 128, 64, False, False, 8, 3), (256, 64, 64, True, False, 4, 4),
+                 (256, 128, 128, True, False, 8, 2), (128, 128, 64, True, False, 8, 4),
+                 (128, 128, 64, True, False, 4, 4), (128, 256, 64, False, False, 8, 4),
+                 (128, 256, 64, True, False, 8, 4), (128, 128, 64, False, True, 8, 3),
+                 (64, 256, 64, False, False, 4, 4)]
+
+
+@pytest.mark.parametrize("tile", PREFILL_TILES, ids=[f"M{m}-N{n}-K{k}-{'swap' if s else 'noswap'}"
+                                                     f"{'-fuse' if f else ''}-w{w}-s{st}"
+                                                     for m, n, k, s, f, w, st in PREFILL_TILES])
+@pytest.mark.parametrize("h,i,t", [(4096, 1024, 1024), (2048, 768, 300)])
+def test_prefill_tiles_against_the_reference(tile, h, i, t):
+    """Each prefill tile computes the MoE within the bounds, or ``check_config`` refuses it."""
+    m, n, k, swap, fuse, w, st = tile
+    dtype = torch.bfloat16
+    args, _ = make_problem(4, h, i, t, 2, dtype, seed=h + t)
+    cfg = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=8, num_warps=w, num_stages=st,
+               SWAP_AB=swap, FUSE_ACT=fuse)
+    out = moe_mod.fused_moe_triton(*args, config=cfg)
+    check(out, moe_reference(*args), dtype, str(cfg))
