@@ -14,11 +14,14 @@ act(gate) * up itself, no activation launch; BLOCK_SIZE_N columns of gate and of
 applies to both GEMMs (the kernel's API). What it does, per shape (E, H, I, top_k) and token count T (a "point"),
 with the weights and routing of bench/bench_kernel.py (random int8 codes, per-row scales, softmax top-k routing; seed 0):
 
-1. stage A, the tiles: every BLOCK_SIZE_M that suits the pairs per expert (T * top_k / E; bench_kernel.py --sweep's
-   rule) x BLOCK_SIZE_N in (64, 128), plus 256 when T >= 1024, x BLOCK_SIZE_K in (64, 128, 256), each with SWAP_AB
-   false and true; num_warps 4, the deepest num_stages <= 4 that fits shared memory, SPLIT_K 1, GROUP_SIZE_M 8 for
-   BLOCK_SIZE_M >= 64 (else 1); plus today's default config (``get_config(..., tuned=False)``);
-2. stage B: the best ``--refine`` (2) (tile, SWAP_AB) of stage A again with num_warps (4, 8) x num_stages (3, 4);
+1. stage A, the tiles: every BLOCK_SIZE_M in (16, 32, 64, 128, 256) that suits the pairs per expert (T * top_k / E;
+   bench_kernel.py --sweep's rule) x BLOCK_SIZE_N in (64, 128), plus 256 when T >= 1024, x BLOCK_SIZE_K in (64, 128,
+   256), accumulators of at most 128 x 256 elements (``BIG_ACC``), each with SWAP_AB false and true (true only below
+   ``tuned.SWAP_AB_MAX_BLOCK_M`` rows); num_warps 4 (8 for a 128 x 256 accumulator), the deepest num_stages <= 4
+   that fits shared memory, SPLIT_K 1, GROUP_SIZE_M 8 for BLOCK_SIZE_M >= 64 (else 1); plus today's default config
+   (``get_config(..., tuned=False)``);
+2. stage B: the best ``--refine`` (2) (tile, SWAP_AB) of stage A again with num_warps (4, 8) x num_stages (3, 4),
+   and GROUP_SIZE_M 16 too for BLOCK_SIZE_M >= 64;
    then, for decode-sized groups (T * top_k / E <= 16), each of them at its best num_warps / num_stages with
    SPLIT_K 2, 4 and 8 (those with cdiv(I, BLOCK_SIZE_K) >= SPLIT_K: GEMM2's K is I); then the best three configs
    without SWAP_AB or FUSE_ACT with FUSE_ACT, at their BLOCK_SIZE_N and at half of it (tiles of 128 x 128 and more
@@ -26,8 +29,8 @@ with the weights and routing of bench/bench_kernel.py (random int8 codes, per-ro
 3. final: walking the ranking from the fastest (at most 16 configs), the first 3 whose output is within the kernel
    tests' bounds of the fp32 ``moe_reference`` (rel <= 8u, worst token <= 16u; u = 2^-8 bf16, 2^-11 fp16), and the
    default, re-timed with ``--final-rep``; the fastest of them is the point's winner. (On the H200 with Triton 3.6,
-   2026-12-01, the fastest prefill configs, SWAP_AB at BLOCK_SIZE_M 256 and 8 warps, failed it with rel ~0.09: a
-   config that is fast and wrong never wins.)
+   2026-12-01, the fastest prefill configs, SWAP_AB at BLOCK_SIZE_M 256 and 8 warps, failed it with rel ~0.09, and
+   ``check_config`` now refuses them: a config that is fast and wrong never wins.)
 
 ``--quick``: stage A with one BLOCK_SIZE_K per BLOCK_SIZE_M (128 below 64, else 64: the default run's winners) and N
 in (64, 128), both SWAP_AB; stage B without the num_warps / num_stages sweep (SPLIT_K 2 and 4 of the best tile
@@ -41,7 +44,9 @@ cores, 12 compile workers, Triton 3.6, empty Triton cache, 2026-12-01): 354 conf
 wall time), 613 + 63 timings, 194 s in all, before FUSE_ACT was in the space; with it (second run, same day; a
 cache holding only the GPU tests' kernels): 428 compiled, 792 timings, 172 s with ``--budget-s 200``. FUSE_ACT
 adds per point at most 6 timings, 15 where the best tiles are 128 x 128 or larger (8 warps, 4 down to 2 stages),
-compiled in the timing process; ``--quick``: ~85 compiled, ~215 timings, ~75 s. Compiling is the larger part;
+compiled in the timing process; ``--quick``: ~85 compiled, ~215 timings, ~75 s. With BLOCK_SIZE_M 256, 8-warp
+128 x 256 tiles and GROUP_SIZE_M 16 (third and fourth runs, same day, fresh machine): the 9 points of T 128, 1024 and
+4096 in 134 s (354 compiled, 542 timings), 4 prefill points in 76 s (171 compiled, 275 timings). Compiling is the larger part;
 the points of a shape share compiled kernels when their Triton specialisations agree (T * top_k divisible by 16 or
 not), so its T >= 8 points compile little beyond their stage A tiles. ``--plan`` gives the
 bounds for other shapes and token counts.
@@ -178,6 +183,8 @@ def stage_a(per_expert, tokens, quick) -> list[dict]:
                 if s is None or not tile_fits(m, n):
                     continue
                 for swap in SWAPS:
+                    if swap and m >= tuned.SWAP_AB_MAX_BLOCK_M:  # refused by check_config (see there)
+                        continue
                     out.append(make_cfg(m, n, k, group_m(m), 8 if m * n >= BIG_ACC else A_WARPS, s, 1, swap))
     return out
 

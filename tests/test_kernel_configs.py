@@ -225,6 +225,9 @@ def test_check_config():
     for sk in (1, 2, 4, 8, 16):
         assert tuned.check_config({**CFG_A, "SPLIT_K": sk})["SPLIT_K"] == sk
     assert tuned.check_config({**CFG_A, "SWAP_AB": True}) == full({**CFG_A, "SWAP_AB": True})
+    for m in (128, 256):  # 256 rows: refused with SWAP_AB only
+        assert tuned.check_config({**CFG_A, "BLOCK_SIZE_M": m})["BLOCK_SIZE_M"] == m
+    assert tuned.check_config({**CFG_A, "BLOCK_SIZE_M": 128, "SWAP_AB": True})["SWAP_AB"] is True
     assert tuned.check_config({**CFG_A, "FUSE_ACT": True}) == full({**CFG_A, "FUSE_ACT": True})
     for bad, word in (({**CFG_A, "num_warps": 3}, "num_warps"), ({**CFG_A, "num_stages": 0}, "num_stages"),
                       ({**CFG_A, "GROUP_SIZE_M": 0}, "GROUP_SIZE_M"), ({**CFG_A, "BLOCK_SIZE_K": True}, "BLOCK_SIZE_K"),
@@ -232,7 +235,8 @@ def test_check_config():
                       ({**CFG_A, "SPLIT_K": 0}, "SPLIT_K"), ({**CFG_A, "SPLIT_K": True}, "SPLIT_K"),
                       ({**CFG_A, "SWAP_AB": 1}, "SWAP_AB"), ({**CFG_A, "SWAP_AB": 0}, "SWAP_AB"),
                       ({**CFG_A, "SWAP_AB": "false"}, "SWAP_AB"), ({**CFG_A, "split_k": 2}, "unknown"),
-                      ({**CFG_A, "FUSE_ACT": 1}, "FUSE_ACT"), ({**CFG_A, "FUSE_ACT": True, "SWAP_AB": True}, "FUSE_ACT")):
+                      ({**CFG_A, "FUSE_ACT": 1}, "FUSE_ACT"), ({**CFG_A, "FUSE_ACT": True, "SWAP_AB": True}, "FUSE_ACT"),
+                      ({**CFG_A, "BLOCK_SIZE_M": 256, "SWAP_AB": True}, "SWAP_AB: needs BLOCK_SIZE_M < 256")):
         with pytest.raises(ValueError, match=word):
             tuned.check_config(bad)
     for _, cfg in moe_mod._CONFIG_TABLE:
@@ -343,7 +347,8 @@ def test_tuner_space():
             assert tk.smem(c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"], c["num_stages"]) <= tk.SMEM_BYTES
             assert c["GROUP_SIZE_M"] == (8 if c["BLOCK_SIZE_M"] >= 64 else 1)
         tiles = {tk.tile_of(c)[:3] for c in a}
-        assert all({tk.tile_of(c) for c in a} >= {tl + (False,), tl + (True,)} for tl in tiles)  # both SWAP_AB
+        assert all({tk.tile_of(c) for c in a} >= {tl + (False,)} | ({tl + (True,)} if tl[0] < 256 else set())
+                   for tl in tiles)  # both SWAP_AB below 256 rows
         assert {c["BLOCK_SIZE_N"] for c in a} == ({64, 128, 256} if t >= 1024 else {64, 128})
         assert {c["BLOCK_SIZE_K"] for c in a} == {64, 128, 256}
         for c in tk.stage_a(per_expert, t, quick=True):
@@ -351,8 +356,9 @@ def test_tuner_space():
     assert len(tk.stage_a(0.0625, 1, quick=False)) == 12  # decode: BLOCK_SIZE_M 16 only, 2 N x 3 K x 2
     prefill = {tk.tile_of(c) for c in tk.stage_a(256, 4096, False)}
     assert (128, 256, 256, False) not in prefill  # no smem
-    assert {(256, 128, 64, False), (256, 128, 64, True), (128, 256, 64, False)} <= prefill  # vLLM bf16's 128 x 256
+    assert {(256, 128, 64, False), (128, 256, 64, True), (128, 256, 64, False)} <= prefill  # vLLM bf16's 128 x 256
     assert not any(m == n == 256 for m, n, _, _ in prefill)
+    assert not any(swap and m >= tuned.SWAP_AB_MAX_BLOCK_M for m, _, _, swap in prefill)  # refused: wrong on GPU
     assert 256 not in {tk.tile_of(c)[0] for c in tk.stage_a(64, 1024, False)}  # 256 rows for 64 pairs: no
 
     b = tk.stage_b([(16, 64, 128, True), (64, 128, 64, False)], quick=False)

@@ -268,11 +268,18 @@ PREFILL_TILES = [(256, 128, 64, True, False, 8, 3), (256, 128, 64, True, False, 
                                                      for m, n, k, s, f, w, st in PREFILL_TILES])
 @pytest.mark.parametrize("h,i,t", [(4096, 1024, 1024), (2048, 768, 300)])
 def test_prefill_tiles_against_the_reference(tile, h, i, t):
-    """Each prefill tile computes the MoE within the bounds, or ``check_config`` refuses it."""
+    """Each prefill tile computes the MoE within the bounds, or ``check_config`` refuses it (SWAP_AB at 256 rows:
+    on the H200 with Triton 3.6 two of those gave rel 0.07 and 0.08 at H=4096; see tuned.SWAP_AB_MAX_BLOCK_M)."""
+    from expq.kernels import tuned
+
     m, n, k, swap, fuse, w, st = tile
     dtype = torch.bfloat16
     args, _ = make_problem(4, h, i, t, 2, dtype, seed=h + t)
     cfg = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=8, num_warps=w, num_stages=st,
                SWAP_AB=swap, FUSE_ACT=fuse)
+    if swap and m >= tuned.SWAP_AB_MAX_BLOCK_M:
+        with pytest.raises(ValueError, match="SWAP_AB: needs BLOCK_SIZE_M"):
+            moe_mod.fused_moe_triton(*args, config=cfg)
+        return
     out = moe_mod.fused_moe_triton(*args, config=cfg)
     check(out, moe_reference(*args), dtype, str(cfg))
