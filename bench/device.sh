@@ -11,7 +11,7 @@
 #   bash bench/device.sh kernel-profile  # needs install: the kernel-by-kernel profile, end to end
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
-#   bash bench/device.sh e2e-profile   # host-time profile of the e2e forwards; the sort-free decode against sorted
+#   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
 #   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, 2 GEMMs
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
@@ -94,8 +94,9 @@ case "${1:-}" in
       --parallel 2 --prepare-timeout 100 --budget 190 2>&1 | tail -12 || true
     cp /tmp/small/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   e2e-profile)
-    # no vLLM needed: the e2e forwards with torch.profiler's host-time table of one eager forward each
-    export PYTHONPATH=$PWD
+    # needs install (the e2e model loads through expq.runtime, which needs pydantic: the vLLM bundle has it): the
+    # e2e forwards with torch.profiler's host-time table of one eager forward each; the sort-free decode
+    vllm_env
     timeout 200 python3 bench/bench_kernel.py --e2e --e2e-profile-host --json "$OUT/e2e_prof.json" 2>&1 | tail -120 || true
     timeout 100 python3 bench/bench_sort_free.py --json "$OUT/sort_free.json" 2>&1 | grep -v '^{' | tail -8 || true ;;
   issue12)
