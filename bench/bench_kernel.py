@@ -324,8 +324,9 @@ def compare(names, tokens, dtype, rep, md_path, json_path, rounds=3):
                     for iname in order[shift:] + order[:shift]:
                         try:
                             row["impl"][iname]["rounds_us"].append(replay_time(graphs[iname], rep))
-                        except Exception as exc:  # noqa: BLE001 - recorded in the row
-                            row["impl"][iname]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        except Exception as exc:  # noqa: BLE001 - recorded in the row; its other rounds still count
+                            row["impl"][iname]["error"] = f"round {rnd}: {type(exc).__name__}: {str(exc)[:300]}"
+                            log(f"{name} T={t} {iname} failed in round {rnd}: {row['impl'][iname]['error']}")
                             torch.cuda.synchronize()
                 del graphs
                 for iname, r in row["impl"].items():
@@ -552,6 +553,8 @@ def main():
     parser.add_argument("--e2e-profile-host", action="store_true",
                         help="--e2e: also torch.profiler's host-time table of one eager forward per model and shape")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected >= 1, got {args.rounds}")
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)

@@ -12,7 +12,7 @@
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
-#   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, 2 GEMMs
+#   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -67,10 +67,10 @@ case "${1:-}" in
                "E=256,H=7168,I=2048,top_k=8,dtype=bfloat16 7168 2048"; do
       set -- $key
       e=${1%%,*}
-      for k in "$2" "$3"; do
-        timeout 120 python3 bench/kernel_ir.py --shape "$1" --k "$k" --json "$OUT/ir_E${e#E=}_K$k.json" 2>&1 \
-          | tail -8 || true
-      done
+      timeout 120 python3 bench/kernel_ir.py --shape "$1" --gemm 1 --k "$2" --json "$OUT/ir_E${e#E=}_gemm1.json" \
+        2>&1 | tail -8 || true
+      timeout 120 python3 bench/kernel_ir.py --shape "$1" --gemm 2 --k "$3" --json "$OUT/ir_E${e#E=}_gemm2.json" \
+        2>&1 | tail -8 || true
     done ;;
   kernel-compare)
     vllm_env

@@ -48,23 +48,30 @@ INT_ARGS = ("N", "EM", "num_valid_tokens", "stride_am", "stride_be", "stride_bn"
             "stride_bse", "stride_bbe")
 
 
-def compile_config(cfg: dict, k: int, arch: int, top_k: int = 2):
-    """The compiled GEMM kernel (``triton.compile``'s result) for ``cfg`` (a full config) and K = ``k``."""
+def compile_config(cfg: dict, k: int, arch: int, top_k: int = 2, gemm: int = 1):
+    """The compiled GEMM kernel (``triton.compile``'s result) for ``cfg`` (a full config: all of
+    ``tuned.CONFIG_KEYS``) and K = ``k``: GEMM1 (``gemm`` 1: FUSE_ACT as the config says, ``top_k`` pairs per row,
+    no router weight, no split) or GEMM2 (``gemm`` 2: unfused, one pair per row, the router weight multiplied in,
+    the config's SPLIT_K), as the pipeline launches them."""
     sig, consts = dict(POINTERS), {}
     for name in ("N", "K", "EM", "num_valid_tokens", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
                  "stride_cs", "stride_cm", "stride_cn", "stride_bse", "stride_bsn", "stride_bbe", "stride_bbn"):
         sig[name] = "i32"
+    g2 = gemm == 2
+    split = max(1, min(cfg["SPLIT_K"], -(-k // cfg["BLOCK_SIZE_K"]))) if g2 else 1  # as the pipeline clamps it
     consts.update(K=k, BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
-                  BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SPLIT_K=1,
-                  SWAP_AB=cfg["SWAP_AB"], FUSE_ACT=cfg["FUSE_ACT"], ACTIVATION=0, ALPHA=1.702, LIMIT=7.0,
-                  EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, TOP_K=top_k, MUL_ROUTED_WEIGHT=False, HAS_BIAS=False,
-                  compute_type=tl.bfloat16, DOT_PRECISION="tf32", UNSORTED=False)
+                  BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SPLIT_K=split,
+                  SWAP_AB=cfg["SWAP_AB"], FUSE_ACT=cfg["FUSE_ACT"] and not g2, ACTIVATION=0, ALPHA=1.702, LIMIT=7.0,
+                  EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, TOP_K=1 if g2 else top_k, MUL_ROUTED_WEIGHT=g2,
+                  HAS_BIAS=False, compute_type=tl.bfloat16, DOT_PRECISION="tf32", UNSORTED=False)
     consts.update({s: 1 for s in UNIT_STRIDES})
     for name in consts:
         sig[name] = "constexpr"
     sig["num_experts"] = "i32"
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(POINTERS) + list(INT_ARGS)}
+    if split > 1:
+        sig["c_ptr"] = "*fp32"  # split-K partials
     src = ASTSource(fn=fk.fused_moe_w8a16_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
@@ -108,34 +115,53 @@ def describe(cc) -> dict:
                 shared=cc.metadata.shared, **_res_usage(cc.asm["cubin"]), sass=sass_ops)
 
 
+def parse_config(spec: str) -> dict:
+    """``--config``'s BLOCK_SIZE_M,N,K,SWAP_AB,FUSE_ACT,num_warps,num_stages as a full config (GROUP_SIZE_M 8,
+    SPLIT_K 1), or exit with one line. Not ``tuned.check_config``'s refusals: this tool also studies refused tiles
+    (``tuned.SWAP_AB_MAX_BLOCK_M``)."""
+    try:
+        m, n, k, swap, fuse, w, s = (int(v) for v in spec.split(","))
+    except ValueError:
+        sys.exit(f"--config {spec!r}: expected BLOCK_SIZE_M,N,K,SWAP_AB,FUSE_ACT,num_warps,num_stages (7 integers)")
+    if swap not in (0, 1) or fuse not in (0, 1):
+        sys.exit(f"--config {spec!r}: SWAP_AB and FUSE_ACT are 0 or 1")
+    cfg = dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=8, num_warps=w, num_stages=s,
+               SWAP_AB=bool(swap), FUSE_ACT=bool(fuse))
+    try:
+        tuned.check_config(dict(cfg, SWAP_AB=False, FUSE_ACT=False))  # sizes, warps, stages
+    except ValueError as exc:
+        sys.exit(f"--config {spec!r}: {exc}")
+    return {**tuned.CONFIG_DEFAULTS, **cfg}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", default=[],
                     help="BLOCK_SIZE_M,N,K,SWAP_AB,FUSE_ACT,num_warps,num_stages (repeatable); default: the table's")
     ap.add_argument("--table", default=str(tuned.CONFIG_DIR / "NVIDIA_H200.json"))
     ap.add_argument("--shape", default="E=8,H=4096,I=14336,top_k=2,dtype=bfloat16", help="the table's shape key")
-    ap.add_argument("--k", type=int, default=4096, help="K of the GEMM (GEMM1: H)")
+    ap.add_argument("--k", type=int, default=4096, help="K of the GEMM (GEMM1: H, GEMM2: I)")
+    ap.add_argument("--gemm", type=int, default=1, choices=(1, 2), help="which GEMM's specialisation")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    rows = []
-    if a.config:
-        for spec in a.config:
-            m, n, k, swap, fuse, w, s = (int(v) for v in spec.split(","))
-            rows.append((spec, tuned.check_config(dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=8,
-                                                       num_warps=w, num_stages=s, SWAP_AB=bool(swap),
-                                                       FUSE_ACT=bool(fuse)))))
-    else:
-        table = tuned.parse_table(json.loads(Path(a.table).read_text()))
+    rows = [(spec, parse_config(spec)) for spec in a.config]
+    if not rows:
+        try:
+            table = tuned.parse_table(json.loads(Path(a.table).read_text()))
+        except (OSError, ValueError, RecursionError) as exc:
+            sys.exit(f"{a.table}: {exc}")
+        if a.shape not in table:
+            sys.exit(f"{a.table}: no shape {a.shape!r}; it has {sorted(table)}")
         rows = [(f"T={b}", cfg) for b, cfg in table[a.shape]]
-    print(f"triton {triton.__version__}, sm_{a.arch}, K={a.k}")
+    print(f"triton {triton.__version__}, sm_{a.arch}, GEMM{a.gemm}, K={a.k}")
     print("| config | tile MxNxK swap fuse warps stages | mma | pipelined | B via smem | waits | shared B | regs | "
           "local B | SASS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for label, cfg in rows:
         try:
-            d = describe(compile_config(cfg, a.k, a.arch))
+            d = describe(compile_config(cfg, a.k, a.arch, gemm=a.gemm))
         except Exception as exc:  # noqa: BLE001 - a config Triton refuses: reported as such
             d = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         out.append(dict(label=label, config=cfg, **d))

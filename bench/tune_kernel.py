@@ -205,28 +205,31 @@ def stage_b(tiles, quick) -> list[dict]:
     return out
 
 
-FUSE_BIG_TILE = 128 * 128
-"""A fused tile of at least BLOCK_SIZE_M x BLOCK_SIZE_N elements holds two fp32 accumulators of that size: 128 x 128
-x 2 x 4 bytes over 4 warps is 256 registers a thread, and its shared memory passed the H200's at num_stages 4
-(Triton asked for 256 KiB; the tuner's 2026-12-01 run). Such tiles are also tried with 8 warps and fewer stages."""
+FUSE_BIG_TILE = BIG_ACC // 2
+"""A fused tile of BLOCK_SIZE_M x BLOCK_SIZE_N holds two fp32 accumulators of that size: from 128 x 128 on that is
+``BIG_ACC`` elements, which 4 warps cannot hold (256 registers a thread; at num_stages 4 Triton also asked for 256
+KiB of shared memory, the tuner's 2026-12-01 run). Such tiles are tried with 8 warps only, at their num_stages and
+each smaller one down to 2; larger ones not at all."""
 
 
 def stage_fuse(best) -> list[dict]:
     """``best`` (configs with SWAP_AB false) with FUSE_ACT: at the same BLOCK_SIZE_N (gate and up tiles of N columns
     each: twice the weight rows per program) and at half of it (the same weight rows per program as unfused), where
-    the doubled B tile fits shared memory; a tile of ``FUSE_BIG_TILE`` elements or more also with num_warps 8 at
-    its num_stages and at each smaller one down to 2."""
+    the doubled B tile fits shared memory; a tile of ``FUSE_BIG_TILE`` elements with num_warps 8 only (see there),
+    a larger one not at all."""
     out = []
     for c in best:
         if c.get("SWAP_AB", False):
             continue
         for n in sorted({c["BLOCK_SIZE_N"], c["BLOCK_SIZE_N"] // 2}):
-            if n < 16:
+            tile = c["BLOCK_SIZE_M"] * n
+            if n < 16 or tile > FUSE_BIG_TILE:
                 continue
             fused = dict(c, BLOCK_SIZE_N=n, FUSE_ACT=True)
-            variants = [fused]
-            if c["BLOCK_SIZE_M"] * n >= FUSE_BIG_TILE:
-                variants += [dict(fused, num_warps=8, num_stages=st) for st in range(c["num_stages"], 1, -1)]
+            if tile < FUSE_BIG_TILE:
+                variants = [fused]
+            else:
+                variants = [dict(fused, num_warps=8, num_stages=st) for st in range(c["num_stages"], 1, -1)]
             out += [v for v in variants
                     if smem(v["BLOCK_SIZE_M"], 2 * n, v["BLOCK_SIZE_K"], v["num_stages"]) <= SMEM_BYTES
                     and v not in out]
@@ -294,7 +297,12 @@ def parse_shapes(specs) -> list[tuple[str, tuple]]:
     out = []
     for s in specs:
         if "," in s:
-            e, h, i, k = (int(v) for v in s.split(","))
+            try:
+                e, h, i, k = (int(v) for v in s.split(","))
+            except ValueError:
+                sys.exit(f"--shapes {s!r}: expected E,H,I,top_k (four integers)")
+            if min(e, h, i, k) < 1 or k > e:
+                sys.exit(f"--shapes {s!r}: expected positive sizes and top_k <= E")
             out.append((f"E{e}-H{h}-I{i}-k{k}", (e, h, i, k)))
             continue
         hits = [n for n in SHAPES if n.startswith(s)]
@@ -419,22 +427,46 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def refused(cfg) -> str | None:
+    """Why ``check_config`` refuses ``cfg`` today (a raw file may hold configs of an earlier, wider space), or None."""
+    try:
+        tuned.check_config(cfg)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def build_table(raw, base=None) -> dict:
     """The table of ``raw``'s finished points; with ``base`` (a table of this format, e.g. the shipped one) its
-    entries too, where this run has none (a partial re-tune gives a whole table)."""
-    shapes: dict = {k: {t: tuned.check_config(c) for t, c in v.items()}  # all eight keys, as this run's
-                    for k, v in (base or {}).get("shapes", {}).items()}
+    entries too, where this run has no winner (a partial re-tune gives a whole table). Buckets are written as
+    integers (a base's "01" is bucket 1); a winner ``check_config`` now refuses is left out."""
+    shapes: dict = {}
+    for k, v in (base or {}).get("shapes", {}).items():
+        shapes[k] = {str(int(t)): tuned.check_config(c) for t, c in v.items()}  # all eight keys, as this run's
+    from_base = {(k, t) for k, v in shapes.items() for t in v}
     for p in raw["points"].values():
-        if p.get("done") and p.get("winner"):
+        if p.get("done") and p.get("winner") and not refused(p["winner"]):
             shapes.setdefault(p["key"], {})[str(p["tokens"])] = tuned.check_config(p["winner"])  # all eight keys
+            from_base.discard((p["key"], str(p["tokens"])))
     for k in shapes:
         shapes[k] = dict(sorted(shapes[k].items(), key=lambda kv: int(kv[0])))
     meta = dict(raw["meta"], points=sum(len(v) for v in shapes.values()))
     if base is not None:
-        meta["base"] = dict(base.get("meta", {}), entries_kept=sum(
-            1 for k, v in base.get("shapes", {}).items() for t in v
-            if not raw["points"].get(f"{k}|T={t}", {}).get("done")))
+        base_meta = base.get("meta")
+        meta["base"] = dict(base_meta if isinstance(base_meta, dict) else {}, entries_kept=len(from_base))
     return dict(format=tuned.FORMAT, measured=True, gpu=raw["gpu"], meta=meta, shapes=shapes)
+
+
+def load_base(path, gpu) -> dict:
+    """The ``--base`` table, or exit with one line naming the file and what is wrong."""
+    try:
+        base = json.loads(Path(path).read_text())
+        tuned.parse_table(base)
+    except (OSError, ValueError, RecursionError) as exc:
+        sys.exit(f"{path}: {exc}")
+    if base.get("gpu") != gpu:
+        sys.exit(f"{path}: a table for {base.get('gpu')!r}, not {gpu!r}")
+    return base
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -488,17 +520,18 @@ def main():
     if raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
         sys.exit(f"{raw_path}: not a raw file of this tuner for {gpu!r}; use another --out")
     space = None if a.space is None else json.loads(a.space)
-    base = None
-    if a.base is not None:
-        try:
-            base = json.loads(Path(a.base).read_text())
-            tuned.parse_table(base)
-        except (OSError, ValueError) as exc:
-            sys.exit(f"{a.base}: {exc}")
-        if base.get("gpu") != gpu:
-            sys.exit(f"{a.base}: a table for {base.get('gpu')!r}, not {gpu!r}")
+    if a.base is not None:  # kept in the raw file: a resumed run writes the same whole table without --base
+        raw["base"] = load_base(a.base, gpu)
+    base = raw.get("base")
+    if any(t < 1 for t in a.tokens):
+        sys.exit(f"--tokens: expected token counts >= 1, got {a.tokens}")
+    tokens = list(dict.fromkeys(a.tokens))  # each point once
+    for p in raw["points"].values():  # configs of an earlier, wider space that check_config now refuses
+        for store in (p.get("timings", {}), p.get("final", {})):
+            for cid in [c for c, r in store.items() if refused(r["cfg"])]:
+                p.setdefault("errors", {})[cid] = f"refused: {refused(store.pop(cid)['cfg'])}"
     shapes = parse_shapes(a.shapes)
-    points = [(n, s, t) for n, s in shapes for t in a.tokens]
+    points = [(n, s, t) for n, s in shapes for t in tokens]
     todo = [(n, s, t) for n, s, t in points
             if not raw["points"].get(f"{tuned.shape_key(*s[:3], s[3], dtype)}|T={t}", {}).get("done")]
     log(f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; {dtype_name}; {len(points)} points, "
@@ -600,7 +633,11 @@ def main():
                 def passes(cfg):
                     cid = cfg_id(cfg)
                     if cid not in p["checks"]:
-                        rel, tok = errors(run(cfg), ref)
+                        try:
+                            rel, tok = errors(run(cfg), ref)
+                        except Exception as exc:  # noqa: BLE001 - refused or failed now: not a finalist
+                            p["errors"][cid] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                            rel = tok = math.nan
                         p["checks"][cid] = dict(rel=rel, token=tok,
                                                 ok=math.isfinite(rel) and rel <= rel_b and tok <= tok_b)
                         if not p["checks"][cid]["ok"]:

@@ -300,6 +300,54 @@ def test_tuner_on_the_interpreter(tmp_path):
     assert p.returncode != 0 and "a table for 'NVIDIA H200'" in p.stderr
 
 
+def test_tuner_resume_keeps_the_base_and_drops_refused_configs(tmp_path):
+    """A run started with --base and resumed without it still writes the base's entries; a raw file holding a
+    config that check_config now refuses (an earlier space's) resumes without it (recorded as an error, never the
+    winner); bad --tokens / --shapes are one clear line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    plain = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    cmd = [sys.executable, str(repo / "bench" / "tune_kernel.py"), "--device", "cpu", "--shapes", "4,32,32,2",
+           "--out", str(tmp_path), "--space", json.dumps([plain])]
+
+    def run(*extra, ok=True):
+        p = subprocess.run(cmd + list(extra), capture_output=True, text=True, env=env, timeout=300)
+        assert (p.returncode == 0) == ok, p.stderr[-3000:]
+        assert "Traceback" not in p.stderr
+        return p.stdout + p.stderr
+
+    other = "E=8,H=64,I=32,top_k=2,dtype=float16"
+    base = dict(format=tuned.FORMAT, measured=True, gpu="cpu-interpreter", meta=None, shapes={other: {"04": plain}})
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    assert "INCOMPLETE" in run("--tokens", "1", "--base", str(tmp_path / "base.json"), "--budget-s", "0")
+    assert "DONE: 1 points" in run("--tokens", "1", "1")  # resumed without --base; one point, not two
+    table = json.loads((tmp_path / "cpu-interpreter.json").read_text())
+    assert table["shapes"][other] == {"4": tuned.check_config(plain)}  # the bucket written as an integer
+    assert table["meta"]["base"] == {"entries_kept": 1}
+
+    raw_path = tmp_path / "cpu-interpreter.raw.json"
+    raw = json.loads(raw_path.read_text())
+    point = next(iter(raw["points"].values()))
+    bad = tuned.check_config(plain) | dict(BLOCK_SIZE_M=256, SWAP_AB=True)  # refused now; "fastest" in the file
+    point["timings"]["M256_N16_K16_G2_w4_s1_swap"] = dict(cfg=bad, us=1e-3)
+    point["done"] = False
+    raw_path.write_text(json.dumps(raw))
+    assert "DONE: 1 points" in run("--tokens", "1")
+    raw = json.loads(raw_path.read_text())
+    point = next(iter(raw["points"].values()))
+    assert "M256_N16_K16_G2_w4_s1_swap" not in point["timings"]
+    assert point["errors"]["M256_N16_K16_G2_w4_s1_swap"].startswith("refused: SWAP_AB")
+    assert point["winner"]["BLOCK_SIZE_M"] == 16 and tuned.check_config(point["winner"]) == point["winner"]
+
+    assert "--tokens: expected token counts >= 1" in run("--tokens", "0", ok=False)
+    assert "expected E,H,I,top_k" in run("--tokens", "1", "--shapes", "4,32,32", ok=False)
+
+
 def _tune_module():
     import importlib.util
     import sys
@@ -331,9 +379,11 @@ def test_tuner_space():
         [(32, True), (64, True)]  # half and same N; never with SWAP_AB
     big = tk.stage_fuse([tk.make_cfg(128, 128, 64, 8, 4, 4)])  # two 128 x 128 accumulators: 8 warps, fewer stages
     assert [tk.cfg_id(c) for c in big] == [  # half N: two 128 x 64 accumulators, as many registers as unfused
-        "M128_N64_K64_G8_w4_s4_fuse", "M128_N128_K64_G8_w4_s4_fuse", "M128_N128_K64_G8_w8_s4_fuse",
-        "M128_N128_K64_G8_w8_s3_fuse", "M128_N128_K64_G8_w8_s2_fuse"]
+        "M128_N64_K64_G8_w4_s4_fuse", "M128_N128_K64_G8_w8_s4_fuse", "M128_N128_K64_G8_w8_s3_fuse",
+        "M128_N128_K64_G8_w8_s2_fuse"]
     assert all(tuned.check_config(c) == c for c in big)
+    huge = tk.stage_fuse([tk.make_cfg(256, 128, 64, 8, 8, 3)])  # 256 x 128 fused: too big; 256 x 64: 8 warps
+    assert [tk.cfg_id(c) for c in huge] == ["M256_N64_K64_G8_w8_s3_fuse", "M256_N64_K64_G8_w8_s2_fuse"]
 
     for per_expert, t in ((0.0625, 1), (64, 1024), (256, 4096), (32, 128)):
         a = tk.stage_a(per_expert, t, quick=False)

@@ -50,6 +50,7 @@ of GEMM2 (the down projection) only, 1 = no split; SWAP_AB: every tile computed 
 GEMM1 stores act(gate) * up itself (no activation launch; needs SWAP_AB false)."""
 
 CONFIG_DEFAULTS = {"SPLIT_K": 1, "SWAP_AB": False, "FUSE_ACT": False}
+"""The knobs an entry may leave out, and the value they then take (what the kernel did before it had them)."""
 
 SWAP_AB_MAX_BLOCK_M = 256
 """SWAP_AB tiles of this many token rows (the MMA's N, 256) or more are refused: on an H200 with Triton 3.6 the
@@ -58,7 +59,6 @@ gives relative errors of 0.07 to 0.1 against the fp32 reference at H=4096 (tests
 ``test_prefill_tiles_against_the_reference``, bench/tune_kernel.py's check; 2026-12-01), while it passes at H=2048.
 Triton 3.6 compiles it as it does the smaller SWAP_AB tiles, which pass every GPU test (the converted weight tile a
 register operand of asynchronous wgmmas, three left pending: bench/kernel_ir.py); the cause is not known."""
-"""The knobs an entry may leave out, and the value they then take (what the kernel did before it had them)."""
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -118,8 +118,8 @@ def check_config(cfg) -> dict:
     if cfg["SWAP_AB"] and cfg["FUSE_ACT"]:
         raise ValueError("FUSE_ACT: needs SWAP_AB false (the fused activation is written for untransposed tiles)")
     if cfg["SWAP_AB"] and cfg["BLOCK_SIZE_M"] >= SWAP_AB_MAX_BLOCK_M:
-        raise ValueError(f"SWAP_AB: needs BLOCK_SIZE_M < {SWAP_AB_MAX_BLOCK_M}, got {cfg['BLOCK_SIZE_M']} (Triton 3.6 "
-                         "computes such tiles wrong on Hopper; see SWAP_AB_MAX_BLOCK_M)")
+        raise ValueError(f"SWAP_AB: needs BLOCK_SIZE_M < {SWAP_AB_MAX_BLOCK_M}, got {cfg['BLOCK_SIZE_M']} (such tiles "
+                         "computed wrong results on an H200 with Triton 3.6; see tuned.SWAP_AB_MAX_BLOCK_M)")
     return {k: cfg[k] for k in CONFIG_KEYS}
 
 
