@@ -515,9 +515,12 @@ def main():
                 refine=refine, rep_ms=a.rep, final_rep_ms=a.final_rep,
                 timing="do_bench median of CUDA-graph replays, L2 cleared" if dev == "cuda"
                 else "wall clock, interpreter")
-    raw = json.loads(raw_path.read_text()) if raw_path.exists() else dict(format=RAW_FORMAT, gpu=gpu, meta=meta,
-                                                                          points={})
-    if raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
+    try:
+        raw = json.loads(raw_path.read_text()) if raw_path.exists() else dict(format=RAW_FORMAT, gpu=gpu, meta=meta,
+                                                                              points={})
+    except (OSError, ValueError, RecursionError) as exc:
+        sys.exit(f"{raw_path}: not readable as this tuner's raw file ({exc}); use another --out")
+    if not isinstance(raw, dict) or raw.get("format") != RAW_FORMAT or raw.get("gpu") != gpu:
         sys.exit(f"{raw_path}: not a raw file of this tuner for {gpu!r}; use another --out")
     space = None if a.space is None else json.loads(a.space)
     if a.base is not None:  # kept in the raw file: a resumed run writes the same whole table without --base

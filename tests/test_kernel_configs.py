@@ -346,6 +346,8 @@ def test_tuner_resume_keeps_the_base_and_drops_refused_configs(tmp_path):
 
     assert "--tokens: expected token counts >= 1" in run("--tokens", "0", ok=False)
     assert "expected E,H,I,top_k" in run("--tokens", "1", "--shapes", "4,32,32", ok=False)
+    raw_path.write_text(raw_path.read_text()[:40])  # a truncated raw file: one line, not a traceback
+    assert "not readable as this tuner's raw file" in run("--tokens", "1", ok=False)
 
 
 def _tune_module():
