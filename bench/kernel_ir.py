@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from expq.kernels import fused_moe_triton as fk  # noqa: E402
+from expq.kernels import moe  # noqa: E402
 from expq.kernels import tuned  # noqa: E402
 
 POINTERS = {"a_ptr": "*bf16", "b_ptr": "*i8", "c_ptr": "*bf16", "b_scale_ptr": "*fp32", "b_bias_ptr": "*fp32",
@@ -58,7 +59,7 @@ def compile_config(cfg: dict, k: int, arch: int, top_k: int = 2, gemm: int = 1):
                  "stride_cs", "stride_cm", "stride_cn", "stride_bse", "stride_bsn", "stride_bbe", "stride_bbn"):
         sig[name] = "i32"
     g2 = gemm == 2
-    split = max(1, min(cfg["SPLIT_K"], -(-k // cfg["BLOCK_SIZE_K"]))) if g2 else 1  # as the pipeline clamps it
+    split = moe.gemm2_split_k(cfg, k, num_pairs=1, hidden_size=1) if g2 else 1  # the pipeline's clamp (K = I)
     consts.update(K=k, BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"],
                   BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SPLIT_K=split,
                   SWAP_AB=cfg["SWAP_AB"], FUSE_ACT=cfg["FUSE_ACT"] and not g2, ACTIVATION=0, ALPHA=1.702, LIMIT=7.0,

@@ -531,8 +531,10 @@ def main():
     tokens = list(dict.fromkeys(a.tokens))  # each point once
     for p in raw["points"].values():  # configs of an earlier, wider space that check_config now refuses
         for store in (p.get("timings", {}), p.get("final", {})):
-            for cid in [c for c, r in store.items() if refused(r["cfg"])]:
-                p.setdefault("errors", {})[cid] = f"refused: {refused(store.pop(cid)['cfg'])}"
+            why = {cid: refused(r["cfg"]) for cid, r in store.items()}
+            for cid in [c for c, w in why.items() if w]:
+                del store[cid]
+                p.setdefault("errors", {})[cid] = f"refused: {why[cid]}"
     shapes = parse_shapes(a.shapes)
     points = [(n, s, t) for n, s in shapes for t in tokens]
     todo = [(n, s, t) for n, s, t in points

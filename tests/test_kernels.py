@@ -645,3 +645,14 @@ def test_interpreter_set_before_import_subprocess():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rel = float(proc.stdout.strip().splitlines()[-1])
     assert rel <= REL_BOUND[torch.float16]
+
+
+def test_gemm2_split_k_clamps_to_k_blocks_and_the_partial_buffer():
+    """GEMM2's split: at most cdiv(I, BLOCK_SIZE_K), halved while splits x pairs x H x 4 bytes pass the limit."""
+    cfg = dict(SPLIT_K=8, BLOCK_SIZE_K=128)
+    assert moe_mod.gemm2_split_k(cfg, 768, 4, 2048) == 6  # cdiv(768, 128); not a power of two: the kernel's K share
+    assert moe_mod.gemm2_split_k(cfg, 300, 4, 2048) == 3  # cdiv(300, 128)
+    assert moe_mod.gemm2_split_k(dict(cfg, SPLIT_K=1), 4096, 4, 2048) == 1
+    pairs = moe_mod.SPLIT_K_MAX_BYTES // (4 * 2048 * 4)  # exactly 4 splits fit
+    assert moe_mod.gemm2_split_k(cfg, 4096, pairs, 2048) == 4
+    assert moe_mod.gemm2_split_k(cfg, 4096, pairs + 1, 2048) == 2

@@ -50,6 +50,7 @@ __all__ = [
     "fused_moe_int8",
     "fused_moe_torch",
     "fused_moe_triton",
+    "gemm2_split_k",
     "get_config",
     "moe_align_block_size",
     "moe_reference",
@@ -541,6 +542,16 @@ SPLIT_K_MAX_BYTES = 256 * 2**20
 halved until it fits (SPLIT_K is for decode-sized batches; a table's nearest bucket may hand it to a big one)."""
 
 
+def gemm2_split_k(config: dict, intermediate_size: int, num_pairs: int, hidden_size: int) -> int:
+    """The split-K factor GEMM2 (K = ``intermediate_size``) runs with for ``config["SPLIT_K"]``: at most one split per
+    BLOCK_SIZE_K block of K, and halved while the fp32 partials (splits x ``num_pairs`` x ``hidden_size`` x 4 bytes)
+    pass ``SPLIT_K_MAX_BYTES``."""
+    split = max(1, min(config["SPLIT_K"], -(-intermediate_size // config["BLOCK_SIZE_K"])))
+    while split > 1 and split * num_pairs * hidden_size * 4 > SPLIT_K_MAX_BYTES:  # a decode knob: no huge buffer
+        split //= 2
+    return split
+
+
 def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
                      w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None) -> torch.Tensor:
     """The experts_int8 MoE through the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
@@ -600,9 +611,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     bias2 = None if w2_bias is None else w2_bias.to(torch.float32).contiguous()
 
     block_m = config["BLOCK_SIZE_M"]
-    split = max(1, min(config["SPLIT_K"], -(-i_dim // config["BLOCK_SIZE_K"])))  # GEMM2's K is I
-    while split > 1 and split * num_pairs * h_dim * 4 > SPLIT_K_MAX_BYTES:  # a decode knob: never a huge buffer
-        split //= 2
+    split = gemm2_split_k(config, i_dim, num_pairs, h_dim)
     fuse = config["FUSE_ACT"]
     cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
