@@ -150,7 +150,8 @@ class Plan:
             "output_shards": len(self.shard_names),
             "targets": self.format.targets(),
             "format_reason": self.format_reason(),
-            "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note}
+            "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note,
+                         "commands": [{"when": w, "command": cmd} for w, cmd in c.variant_lines("OUT")]}
                         for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,

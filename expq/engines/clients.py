@@ -11,22 +11,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layouts import Layout, shared_facts
+from .vllm_compat import TESTED_RANGE
+
+TESTED = {"vLLM": "-".join(TESTED_RANGE), "SGLang": "0.5.23"}
+"""The engine releases the compressed-tensors output and expq's vLLM plugin are tested with (``make test-vllm``:
+vLLM 0.24, 0.29 and 0.33 on a CPU, 0.24 served on an H200; SGLang's classes on a CPU)."""
+
+# vLLM 0.32-0.33 rank Humming above Marlin for WNA16 MoE on SM90, and their compressed-tensors WNA16 method then
+# asserts strategy == "group": the channel-wise output needs `--moe-backend marlin` there (every vLLM from 0.24 on
+# accepts the flag and runs the same Marlin kernel with it). tests/vllm_real checks this against the real releases.
+MARLIN_FLAG_VERSIONS = ("0.32", "0.33")
+MARLIN_FLAG_COMPUTE_CAPABILITIES = (90,)
+MARLIN_FLAG = "--moe-backend marlin"
+
+
+def vllm_needs_marlin_flag(version: str, compute_capability: int) -> bool:
+    """Whether stock vLLM ``version`` ("0.33.0") on a GPU of ``compute_capability`` (90 = H100/H200) needs
+    ``--moe-backend marlin`` to serve the compressed-tensors output (W8A16 channel-wise)."""
+    line = ".".join(version.split(".")[:2])
+    return line in MARLIN_FLAG_VERSIONS and compute_capability in MARLIN_FLAG_COMPUTE_CAPABILITIES
+
+
+def vllm_ct_commands() -> tuple[tuple[str, str], ...]:
+    """(which vLLM and GPU, the command) for serving the compressed-tensors output with stock vLLM."""
+    lines = f"{MARLIN_FLAG_VERSIONS[0]}-{MARLIN_FLAG_VERSIONS[-1]}"
+    major, minor = MARLIN_FLAG_VERSIONS[0].split(".")
+    before = f"{TESTED_RANGE[0]}-{major}.{int(minor) - 1}"
+    return ((f"vLLM {before} on any NVIDIA GPU; vLLM {lines} on A100, L40S, B200 and other GPUs that are not SM90",
+             "vllm serve {model}"),
+            (f"vLLM {lines} on H100, H200, H20, GH200 (SM90); this command serves on every vLLM {TESTED['vLLM']}",
+             f"vllm serve {{model}} {MARLIN_FLAG}"))
 
 
 @dataclass(frozen=True)
 class Client:
     """One engine's answer. ``language`` is ``bash`` or ``python`` (the command's code-block language); ``command``
-    is None where the engine cannot load the checkpoint (``note`` says why)."""
+    is None where the engine cannot load the checkpoint (``note`` says why); ``variants``: the exact command per
+    engine version and GPU class where one command does not fit all."""
 
     engine: str
     loads: bool
     language: str
     command: str | None
     note: str = ""
+    variants: tuple[tuple[str, str], ...] = ()  # (which version / GPU, the exact command) where they differ
 
     def for_model(self, model: str) -> str | None:
         """The command with ``{model}`` filled in."""
         return None if self.command is None else self.command.replace("{model}", model)
+
+    def variant_lines(self, model: str) -> list[tuple[str, str]]:
+        """``variants`` with ``{model}`` filled in."""
+        return [(when, cmd.replace("{model}", model)) for when, cmd in self.variants]
 
     def one_line(self, model: str) -> str | None:
         """The command on one line, comments dropped (``&&`` between shell commands, ``;`` between statements)."""
@@ -78,10 +114,10 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                       f"size to be a multiple of {advice.marlin_hidden_multiple}; this model's is {hidden_size}"
                       + instead.replace("; use", ", so use"))
     else:
-        note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin). {advice.backend_note} "
+        note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin); tested with vLLM {TESTED['vLLM']}. "
                 f"{advice.tp_scales_note} {advice.rocm_note}")
         vllm = Client("vLLM", True, "bash", "vllm serve {model}",
-                      note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""))
+                      note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""), vllm_ct_commands())
     if layout.stock_transformers:
         tf = Client("transformers", True, "python", TRANSFORMERS_STOCK)
     else:

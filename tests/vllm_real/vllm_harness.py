@@ -36,6 +36,10 @@ from vllm.model_executor.layers.quantization.experts_int8 import ExpertsInt8Conf
 
 # modules whose import-time probes must see the CPU (they are imported here, before gpu() forces anything)
 for _m in ("vllm.model_executor.layers.quantization.online.int8",
+           "vllm.model_executor.layers.quantization.online.fp8",
+           "vllm.model_executor.layers.fused_moe.oracle.int_wna16",
+           "vllm.model_executor.layers.fused_moe.experts.marlin_moe",
+           "vllm.model_executor.layers.fused_moe.experts.fused_humming_moe",
            "vllm.model_executor.layers.fused_moe.experts.triton_moe",
            "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe",
            "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
