@@ -74,7 +74,8 @@ def _params(fn: Callable) -> list[inspect.Parameter]:
 
 
 def _describe(fn: Callable) -> str:
-    return "(" + ", ".join(str(p) for p in _params(fn)) + ")"
+    """``fn``'s signature after ``self``, without annotations, e.g. ``(*, moe)``."""
+    return str(inspect.Signature([p.replace(annotation=p.empty) for p in _params(fn)]))
 
 
 def _fits(fn: Callable, named: tuple[str, ...], kwargs: bool) -> bool:
