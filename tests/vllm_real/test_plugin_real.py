@@ -102,3 +102,35 @@ def _equal_online(h, family, src, out, layers):
         for n in ours:
             assert theirs[n].dtype == ours[n].dtype and theirs[n].shape == ours[n].shape, n
             assert torch.equal(theirs[n], ours[n]), (L, n)
+
+
+def test_tensor_parallel_two_ranks(converted):
+    """TP=2 with two real processes in a gloo group: each rank's plugin layer holds its slice of the checkpoint
+    (w13 rows, w2 columns, full-row w2 scales), and equals the online layer's on every parameter from vLLM 0.28 on,
+    which all-reduces the w2 row maximum across ranks; vLLM 0.24-0.27 take each rank's slice maximum, so there the
+    w2 scales and codes may differ (expq stores the full-row ones)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vllm_harness as h
+
+    src, out = converted("mixtral")
+    port = h.free_port()
+    script = Path(__file__).with_name("tp_rank.py")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(src), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    reports = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-3000:]
+        reports.append(json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))[7:]))
+    assert [r["tp_rank"] for r in reports] == [0, 1]
+    w2_all_reduced = h.VERSION >= (0, 28)
+    for r in reports:
+        for L, params in r["layers"].items():
+            assert sorted(params) == ["w13_scale", "w13_weight", "w2_scale", "w2_weight"]
+            assert all(v["checkpoint"] for v in params.values()), (r["rank"], L, params)
+            assert params["w13_weight"]["online"] and params["w13_scale"]["online"], (r["rank"], L)
+            if w2_all_reduced:
+                assert params["w2_weight"]["online"] and params["w2_scale"]["online"], (r["rank"], L)
