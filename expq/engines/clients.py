@@ -1,9 +1,9 @@
 """Which engines load a converted checkpoint, and with which command: one answer for ``inspect``, the model card and
 the README's client table.
 
-``clients(format, layout, hidden_size)`` returns, for vLLM, transformers and expq's own loader, whether that engine
-loads this family in this format, the exact command (``{model}`` stands for the repo id or directory) and why not
-where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
+``clients(format, layout, hidden_size)`` returns, for vLLM, SGLang, transformers and expq's own loader, whether
+that engine loads this family in this format, the exact command (``{model}`` stands for the repo id or directory)
+and why not where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
 TRANSFORMERS_STOCK = ('from transformers import AutoModelForCausalLM\n'
                       'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts dequantized to 16-bit at load')
+SGLANG = "python -m sglang.launch_server --model-path {model}"
+SGLANG_ACTIVATIONS = ("silu",)  # SGLang's compressed-tensors WNA16 MoE (Marlin) asserts SiLU
 EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
         'model = expq.load_model(snapshot_download("{model}"))  # int8 experts, fused-MoE kernel')
 EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
@@ -99,6 +101,7 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
                        "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
                        "plugin refuses the checkpoint (unknown quantization method)."),
+                sglang(fmt, layout, hidden_size),
                 Client("transformers", True, "python", TRANSFORMERS_EXPQ,
                        "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
                        "markers), never a model with random experts."),
@@ -124,4 +127,23 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
         tf = Client("transformers", False, "python", None,
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
                     "(it would leave them randomly initialised); use `--format experts-int8` or expq.load_model")
-    return [vllm, tf, expq]
+    return [vllm, sglang(fmt, layout, hidden_size), tf, expq]
+
+
+def sglang(fmt: str, layout: Layout, hidden_size: int | None) -> Client:
+    """SGLang (``TESTED["SGLang"]``): the compressed-tensors output through its Marlin MoE, SiLU families that stock
+    vLLM's loaders serve too (SGLang looks experts up by the same per-expert names); not experts-int8."""
+    if fmt == "experts-int8":
+        return Client("SGLang", False, "bash", None, "SGLang has no loader for expq's experts-int8 format; convert "
+                      "with `--format compressed-tensors` for SGLang")
+    multiple = shared_facts().vllm.marlin_hidden_multiple
+    why = (f"its compressed-tensors MoE (Marlin) runs SiLU only and this family's activation is {layout.activation}"
+           if layout.activation not in SGLANG_ACTIVATIONS else
+           f"as stock vLLM, it cannot: {layout.stock_vllm}" if layout.stock_vllm else
+           f"Marlin needs the hidden size to be a multiple of {multiple}; this model's is {hidden_size}"
+           if hidden_size and hidden_size % multiple else "")
+    if why:
+        return Client("SGLang", False, "bash", None, f"SGLang cannot serve this checkpoint: {why}")
+    return Client("SGLang", True, "bash", SGLANG,
+                  f"SGLang {TESTED['SGLang']} runs the experts through its compressed-tensors WNA16 MoE "
+                  "(`fused_marlin_moe`, SiLU only) on NVIDIA GPUs; its classes are checked by `make test-vllm`.")

@@ -106,16 +106,26 @@ def gpu(sm: int):
         vars(p).update(saved)
 
 
+# (gate, down, up) checkpoint names the model classes pass to the factory (vLLM >= 0.25; >= 0.32 the
+# compressed-tensors scheme of a MoE layer is looked up under them)
+CKPT_NAMES = {"mixtral": ("w1", "w2", "w3")}
+
+
 def moe_layer(config: dict, quant_config, prefix: str, *, params_dtype=torch.bfloat16, sm: int = 90):
     """One MoE layer as a model's ``__init__`` builds it, for a transformers ``config`` dict: returns the
     ``RoutedExperts`` module (inside the ``MoERunner`` vLLM's factory returns)."""
+    import inspect
+
     act = "swigluoai" if config.get("model_type") == "gpt_oss" else "silu"
+    extra = {}
+    if "ckpt_names" in inspect.signature(FACTORY).parameters:
+        extra["ckpt_names"] = CKPT_NAMES.get(config.get("model_type"), ("gate_proj", "down_proj", "up_proj"))
     E = config.get("num_local_experts") or config.get("num_experts")
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
     with gpu(sm):
         runner = FACTORY(num_experts=E, top_k=config.get("num_experts_per_tok", 2), hidden_size=config["hidden_size"],
                          intermediate_size=inter, params_dtype=params_dtype, quant_config=quant_config,
-                         prefix=prefix, activation=act, has_bias=config.get("model_type") == "gpt_oss")
+                         prefix=prefix, activation=act, has_bias=config.get("model_type") == "gpt_oss", **extra)
     return runner.routed_experts if hasattr(runner, "routed_experts") else runner
 
 
