@@ -57,12 +57,15 @@ _STATE: dict[str, Any] = {}
 
 
 def vllm_version() -> str:
-    """The installed vLLM's version string ("not installed" when there is none)."""
+    """The version of the vLLM that ``import vllm`` gives (its ``__version__``, else its distribution's), "not
+    installed" when there is none."""
+    if not _importable("vllm"):
+        return "not installed"
+    version = getattr(importlib.import_module("vllm"), "__version__", None)
     try:
-        return importlib.metadata.version("vllm")
+        return version or importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        mod = importlib.import_module("vllm") if _importable("vllm") else None
-        return getattr(mod, "__version__", "unknown") if mod is not None else "not installed"
+        return "unknown"
 
 
 def _importable(name: str) -> bool:
@@ -100,16 +103,25 @@ def vllm_api() -> SimpleNamespace:
         raise ExpqError(f"vLLM {vllm_version()} lacks what the expq plugin uses (tested with vLLM {tested}): "
                         f"{', '.join(missing)}", hint=hint)
     api = SimpleNamespace(**found)
+    _check_contract(api, f"vLLM {vllm_version()} changed what the expq plugin uses (tested with vLLM {tested})", hint)
+    api.ctor = compat.constructor_keyword(api.Int8OnlineMoEMethod)
+    return api
+
+
+def _check_contract(api: SimpleNamespace, what: str, hint: str) -> None:
+    """The signatures, then the online int8 behaviour (``vllm_compat``); differences that only change the numbers
+    of ``--quantization experts_int8`` are logged.
+
+    Raises:
+        ExpqError: ``what: <each change>``.
+    """
     changed = compat.signature_changes(api)
     if not changed:
         changed, notes = compat.behaviour_changes(api)
         for note in notes:
             _LOG.warning("expq plugin on vLLM %s: %s", vllm_version(), note)
     if changed:
-        raise ExpqError(f"vLLM {vllm_version()} changed what the expq plugin uses (tested with vLLM {tested}): "
-                        f"{'; '.join(changed)}", hint=hint)
-    api.ctor = compat.constructor_keyword(api.Int8OnlineMoEMethod)
-    return api
+        raise ExpqError(f"{what}: {'; '.join(changed)}", hint=hint)
 
 
 def _next(version: str) -> str:

@@ -134,3 +134,20 @@ def test_tensor_parallel_two_ranks(converted):
             assert params["w13_weight"]["online"] and params["w13_scale"]["online"], (r["rank"], L)
             if w2_all_reduced:
                 assert params["w2_weight"]["online"] and params["w2_scale"]["online"], (r["rank"], L)
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_ep_weight_filter_keeps_every_plugin_tensor(placement, converted, vllm_started):
+    """vLLM's EP weight filter (``--enable-ep-weight-filter``) drops a non-local expert's ``.weight`` /
+    ``.weight_packed`` before reading it. The experts-int8 tensors are named ``.weight_int8`` / ``.weight_scale``,
+    so every one reaches the plugin, which keeps this rank's experts by the layer's own expert map; the same filter
+    does drop the same experts' bf16 ``.weight`` tensors (the control)."""
+    from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids, should_skip_weight
+
+    _, out = converted("mixtral")
+    ck = ConvertedCheckpoint(out)
+    local = compute_local_expert_ids(ck.num_experts, 2, 1, placement=placement)
+    assert local and len(local) < ck.num_experts
+    assert not [n for n in ck.tensors if should_skip_weight(n, local)]
+    dropped = [f"{ck.experts.module_name(ck.moe_layers[0], e, 'gate')}.weight" for e in range(ck.num_experts)]
+    assert sum(should_skip_weight(n, local) for n in dropped) == ck.num_experts - len(local)
