@@ -166,7 +166,8 @@ class Plan:
             return f"this family's default: {lay.format_reason}"
         loads = [c.engine for c in clients(self.format.name, lay, self.experts.hidden_size, local=True)
                  if c.loads and c.engine != "expq"]
-        return "this family's default: " + (f"stock {' and '.join(loads)} load{'s' if len(loads) == 1 else ''} it"
+        names = ", ".join(loads[:-1]) + (" and " if len(loads) > 1 else "") + (loads[-1] if loads else "")
+        return "this family's default: " + (f"stock {names} load{'s' if len(loads) == 1 else ''} it"
                                             if loads else "expq.load_model runs it")
 
     def decoded_as(self) -> dict[str, int]:

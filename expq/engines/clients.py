@@ -146,4 +146,5 @@ def sglang(fmt: str, layout: Layout, hidden_size: int | None) -> Client:
         return Client("SGLang", False, "bash", None, f"SGLang cannot serve this checkpoint: {why}")
     return Client("SGLang", True, "bash", SGLANG,
                   f"SGLang {TESTED['SGLang']} runs the experts through its compressed-tensors WNA16 MoE "
-                  "(`fused_marlin_moe`, SiLU only) on NVIDIA GPUs; its classes are checked by `make test-vllm`.")
+                  "(`fused_marlin_moe`, SiLU only) on NVIDIA GPUs; expq's tests load this format into SGLang's own "
+                  "MoE layer (on a CPU), they do not serve it on a GPU yet.")
