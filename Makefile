@@ -33,7 +33,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
 # The vLLM plugin and the compressed-tensors output against the real vLLM and SGLang packages, CPU only: one
-# virtualenv per engine version (.venv-vllm-<line>, .venv-sglang-<version>: exactly requirements/<name>.txt; several
+# virtualenv per engine version (.venv-vllm-<line>, .venv-sglang-<version>: exactly requirements/<name>.txt; 5-10
 # GB each, made once); in each vLLM one the tests of tests/vllm_real and the stand-in tests, in the SGLang one
 # tests/sglang_real. Not part of `make test` (heavy).
 VLLM_LINES ?= 0.24 0.29 0.33
