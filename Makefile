@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-gpu fuzz bench bench-llmc clean
+.PHONY: install demo test test-faults test-gpu test-vllm fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
@@ -31,6 +31,36 @@ test-faults: $(STAMP)
 # GPU tests (need CUDA; run them on a GPU machine).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
+
+# The vLLM plugin and the compressed-tensors output against the real vLLM and SGLang packages, CPU only: one
+# virtualenv per engine version (.venv-vllm-<line>, .venv-sglang-<version>: exactly requirements/<name>.txt; 5-10
+# GB each, made once); in each vLLM one the tests of tests/vllm_real and the stand-in tests, in the SGLang one
+# tests/sglang_real. Not part of `make test` (heavy).
+VLLM_LINES ?= 0.24 0.29 0.33
+SGLANG_VERSION ?= 0.5.23
+test-vllm: $(STAMP)
+	@for v in $(VLLM_LINES); do \
+	  $(MAKE) --no-print-directory .venv-vllm-$$v/.expq-installed || exit 1; \
+	  echo "== vLLM $$v"; \
+	  .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider tests/vllm_real tests/test_vllm_plugin.py || exit 1; \
+	done
+	@$(MAKE) --no-print-directory .venv-sglang-$(SGLANG_VERSION)/.expq-installed
+	@echo "== SGLang $(SGLANG_VERSION)"
+	.venv-sglang-$(SGLANG_VERSION)/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real
+
+.venv-vllm-%/.expq-installed: requirements/vllm-%.txt pyproject.toml
+	test -x .venv-vllm-$*/bin/python || $(PYTHON) -m venv .venv-vllm-$*
+	.venv-vllm-$*/bin/python -m pip install -q --upgrade pip
+	.venv-vllm-$*/bin/python -m pip install -q --no-deps -r requirements/vllm-$*.txt
+	.venv-vllm-$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+.venv-sglang-%/.expq-installed: requirements/sglang-%.txt pyproject.toml
+	test -x .venv-sglang-$*/bin/python || $(PYTHON) -m venv .venv-sglang-$*
+	.venv-sglang-$*/bin/python -m pip install -q --upgrade pip
+	.venv-sglang-$*/bin/python -m pip install -q --no-deps -r requirements/sglang-$*.txt
+	.venv-sglang-$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 # Long fuzz run over the header parser and the config reader (CI runs 300 examples in tests/test_fuzz.py).
 FUZZ_N ?= 20000

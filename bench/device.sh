@@ -13,6 +13,8 @@
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
 #   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
+#   bash bench/device.sh plugin-check  # needs install: both formats of one fixture served by vLLM 0.24 vs online
+#                                      # experts_int8 (serve_check.py from ../shared/tools/offline-vllm, or SERVE_CHECK)
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -110,6 +112,31 @@ case "${1:-}" in
       --set mixtral.num_attention_heads=32 --set mixtral.num_key_value_heads=8 --runs online,converted \
       --parallel 1 --prepare-timeout 200 --budget 320 2>&1 | tail -30 || true
     cp /tmp/big/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
+  plugin-check)
+    # A Mixtral fixture (hidden 256: Marlin; 1024 positions: serve_check's max_model_len 512) converted to both
+    # formats; the three served at once (gpu_memory_utilization 0.3 each): online --quantization experts_int8 on the
+    # bf16 source, compressed-tensors (stock vLLM, Marlin), experts-int8 (expq's plugin); prompt log-probabilities
+    # and greedy tokens compared with the online run.
+    vllm_env
+    sc=${SERVE_CHECK:-}
+    for c in ../shared/tools/offline-vllm/serve_check.py shared/tools/offline-vllm/serve_check.py; do
+      [ -z "$sc" ] && [ -f "$c" ] && sc=$c
+    done
+    [ -n "$sc" ] || { echo "serve_check.py not found: set SERVE_CHECK"; exit 2; }
+    d=/tmp/plugin-check r=$OUT/plugin-check
+    rm -rf "$d" && mkdir -p "$d" "$r"
+    python3 -c "import sys; from expq.demo import DEMO_CONFIG; from expq.examples import build_example; \
+build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.02, **DEMO_CONFIG)" "$d/src"
+    python3 -c "import expq.cli; expq.cli.main()" convert "$d/src" "$d/ct" --format compressed-tensors --device cpu \
+      > "$r/convert.log" 2>&1
+    python3 -c "import expq.cli; expq.cli.main()" convert "$d/src" "$d/ei8" --format experts-int8 --device cpu \
+      >> "$r/convert.log" 2>&1
+    (timeout 240 python3 "$sc" run "$d/src" "$r/online.json" --quantization experts_int8 > "$r/online.log" 2>&1 &
+     timeout 240 python3 "$sc" run "$d/ct" "$r/ct.json" > "$r/ct.log" 2>&1 &
+     timeout 240 python3 "$sc" run "$d/ei8" "$r/ei8.json" > "$r/ei8.log" 2>&1 &
+     wait)
+    grep -h "^ran\|Error" "$r"/*.log | tail -6 || true
+    python3 "$sc" compare "$r/online.json" "$r/ct.json" "$r/ei8.json" 2>&1 | tee "$r/compare.txt" ;;
   *)
-    sed -n '2,14p' "$0"; exit 2 ;;
+    sed -n '2,16p' "$0"; exit 2 ;;
 esac

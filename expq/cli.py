@@ -264,8 +264,9 @@ def inspect(
              ("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
                          f"{len(s['side_files'])} side files"),
              ("output format", f"{s['format']}: {s['format_reason']}"),
-             *((f"  {c['engine']}", c["command"] if c["loads"] else f"cannot: {c['note']}")
-               for c in s["clients"]),
+             *(row for c in s["clients"] for row in
+               [(f"  {c['engine']}", c["command"] if c["loads"] else f"cannot: {c['note']}")]
+               + [(f"    {v['when']}", v["command"]) for v in c["commands"]]),
              ("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
     for how, n in s["decoded_as"].items():
         rows.append(("decoded from the source format", f"{n} {how}"))

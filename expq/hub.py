@@ -199,6 +199,8 @@ def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]
         lines += ["", f"### {c.engine}", ""]
         if c.loads:
             lines += [f"```{c.language}", c.for_model(repo_id), "```"] + (["", c.note] if c.note else [])
+            lines += (["", "Per version and GPU:", ""] + [f"- {when}: `{cmd}`" for when, cmd in
+                                                          c.variant_lines(repo_id)]) if c.variants else []
         else:
             lines.append((c.note if c.note[:1].isupper() or c.note.startswith("vLLM") else
                           c.note[0].upper() + c.note[1:]) + ".")

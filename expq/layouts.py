@@ -349,7 +349,6 @@ class KeptKind(_Schema):
 class VllmAdvice(_Schema):
     marlin_hidden_multiple: int
     marlin_intermediate_multiple: int
-    backend_note: str
     rocm_note: str
     tp_scales_note: str
 

@@ -150,7 +150,8 @@ class Plan:
             "output_shards": len(self.shard_names),
             "targets": self.format.targets(),
             "format_reason": self.format_reason(),
-            "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note}
+            "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note,
+                         "commands": [{"when": w, "command": cmd} for w, cmd in c.variant_lines("OUT")]}
                         for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,
@@ -165,7 +166,8 @@ class Plan:
             return f"this family's default: {lay.format_reason}"
         loads = [c.engine for c in clients(self.format.name, lay, self.experts.hidden_size, local=True)
                  if c.loads and c.engine != "expq"]
-        return "this family's default: " + (f"stock {' and '.join(loads)} load{'s' if len(loads) == 1 else ''} it"
+        names = ", ".join(loads[:-1]) + (" and " if len(loads) > 1 else "") + (loads[-1] if loads else "")
+        return "this family's default: " + (f"stock {names} load{'s' if len(loads) == 1 else ''} it"
                                             if loads else "expq.load_model runs it")
 
     def decoded_as(self) -> dict[str, int]:

@@ -6,6 +6,7 @@ entry point and the import without vLLM."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import tomllib
 import types
@@ -23,6 +24,7 @@ from expq.errors import ExpqError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "dbrx"]
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None  # found, not imported (collection must not import it)
 INTERLEAVED = {"gpt_oss"}  # vLLM's gpt_oss loader keeps gate/up interleaved in w13 (swigluoai reads x[::2], x[1::2])
 SUFFIX = {"codes": "weight_int8", "scale": "weight_scale"}  # the experts-int8 format's tensor names
 
@@ -355,7 +357,10 @@ def test_plugin_refuses_a_layer_the_checkpoint_does_not_quantize(converted):
 def test_entry_point_and_extra_declared():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["entry-points"]["vllm.general_plugins"] == {"expq": "expq.engines.vllm:register"}
-    assert meta["optional-dependencies"]["vllm"] == ["vllm>=0.24"]
+    assert meta["optional-dependencies"]["vllm"] == ["vllm>=0.24,<0.34"]
+    from expq.engines.vllm_compat import TESTED_RANGE
+
+    assert TESTED_RANGE == ("0.24", "0.33")  # the range the extra allows
     mod, _, fn = meta["entry-points"]["vllm.general_plugins"]["expq"].partition(":")
     assert callable(getattr(__import__(mod, fromlist=[fn]), fn))
 
@@ -370,8 +375,10 @@ class _NoVllm:
 
 
 def test_import_never_imports_vllm():
-    """Fresh imports of expq, its engines and the modules they use, with vllm imports made to fail."""
-    saved = {k: v for k, v in sys.modules.items() if k == "expq" or k.startswith("expq.")}
+    """Fresh imports of expq, its engines and the modules they use, with vllm imports made to fail (also where vLLM
+    is installed and another test imported it: its modules are taken out of sys.modules meanwhile)."""
+    ours = lambda k: k in ("expq", "vllm") or k.startswith(("expq.", "vllm."))  # noqa: E731
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
     for k in saved:
         del sys.modules[k]
     sys.meta_path.insert(0, blocker := _NoVllm())
@@ -385,12 +392,12 @@ def test_import_never_imports_vllm():
         assert not any(k == "vllm" or k.startswith("vllm.") for k in sys.modules)
     finally:
         sys.meta_path.remove(blocker)
-        for k in [k for k in sys.modules if k == "expq" or k.startswith("expq.")]:
+        for k in [k for k in sys.modules if ours(k)]:
             del sys.modules[k]
         sys.modules.update(saved)
 
 
-@pytest.mark.skipif(plugin._importable("vllm"), reason="vLLM is installed here")
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed here")
 def test_register_without_vllm_says_so():
     with pytest.raises(ExpqError, match=r"needs vLLM, which is not installed \(pip install 'expq\[vllm\]'\)"):
         plugin.register()
@@ -403,7 +410,7 @@ def test_register_without_vllm_says_so():
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """A 'vllm' 0.99.0 with a quantization registry but none of the fused-MoE internals."""
-    if plugin._importable("vllm"):
+    if VLLM_INSTALLED:
         pytest.skip("vLLM is installed here")
     registered = {}
 
@@ -487,33 +494,135 @@ def test_checkpoint_dir_of_a_hub_repo(shards, tmp_path, monkeypatch):
         assert ck.num_experts == 8 and ck.tensors == ConvertedCheckpoint(out).tensors
 
 
-# --- a spawned engine process (vllm serve): the quantization config crosses processes by pickling ------------------
-STAND_IN_VLLM = {
-    "vllm/__init__.py": "__version__ = '0.24.0'\n",
-    "vllm/model_executor/__init__.py": "",
-    "vllm/model_executor/utils.py": "def set_weight_attrs(p, attrs):\n    for k, v in attrs.items():\n"
-                                    "        setattr(p, k, v)\n",
-    "vllm/model_executor/layers/__init__.py": "",
-    "vllm/model_executor/layers/linear.py": "class LinearBase:\n    pass\n\n\nclass UnquantizedLinearMethod:\n"
-                                            "    pass\n",
-    "vllm/model_executor/layers/fused_moe/__init__.py":
-        "class RoutedExperts:\n    def _map_global_expert_id_to_local_expert_id(self, e):\n        return e\n",
-    "vllm/model_executor/layers/fused_moe/activation.py": "class MoEActivation:\n    SWIGLUOAI = 'swigluoai'\n",
-    "vllm/model_executor/layers/quantization/__init__.py":
-        "REGISTRY = {}\n\n\ndef register_quantization_config(name):\n    def wrap(cls):\n"
-        "        REGISTRY[name] = cls\n        return cls\n    return wrap\n",
-    "vllm/model_executor/layers/quantization/base_config.py":
-        "class QuantizationConfig:\n    def __init__(self):\n        pass\n",
-    "vllm/model_executor/layers/quantization/online/__init__.py": "",
-    "vllm/model_executor/layers/quantization/online/int8.py":
-        "import types\n\n\nclass Int8OnlineMoEMethod:\n    def __init__(self, *, layer):\n"
-        "        self.moe = types.SimpleNamespace(has_bias=False)\n\n    def _setup_kernel(self, layer):\n"
-        "        pass\n",
-    "vllm/model_executor/model_loader/__init__.py": "",
-    "vllm/model_executor/model_loader/default_loader.py":
-        "class DefaultModelLoader:\n    def get_all_weights(self, model_config, model):\n        return iter(())\n",
-}
+# --- a stand-in vLLM package per release (its constructor and online int8 method as that release has them) -----------
+def int8_module(ctor: str = "layer", scale: str = "scale", divisor: str = "vmax") -> str:
+    """``vllm/model_executor/layers/quantization/online/int8.py`` of a stand-in vLLM: ``Int8OnlineMoEMethod`` whose
+    constructor takes ``ctor`` (0.24-0.29: ``layer``; 0.30-0.33: ``moe``) and whose ``_quantize_weights`` is vLLM's
+    (scales named ``w13_<scale>``; ``divisor`` of the row max)."""
+    moe = "layer.moe_config" if ctor == "layer" else ctor
+    return f"""import types
+import torch
 
+
+class Int8OnlineMoEMethod:
+    def __init__(self, *, {ctor}):
+        self.moe = types.SimpleNamespace(has_bias=False, tp_size=1, source={moe})
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        pass
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def _quantize_weights(self, layer):
+        vmax = torch.iinfo(torch.int8).max
+        for w in ("w13", "w2"):
+            t = getattr(layer, w + "_weight")
+            scales = t.abs().amax(dim=2) / {divisor}
+            q = t.div(scales.unsqueeze(2)).round().clamp(-vmax, vmax).to(torch.int8)
+            setattr(layer, w + "_weight", torch.nn.Parameter(q, requires_grad=False))
+            layer.register_parameter(w + "_{scale}", torch.nn.Parameter(scales.float(), requires_grad=False))
+
+    def _setup_kernel(self, layer):
+        pass
+"""
+
+
+def stand_in_vllm(version: str, **int8) -> dict[str, str]:
+    """The stand-in package's files (path -> text)."""
+    return {
+        "vllm/__init__.py": f"__version__ = '{version}'\n",
+        "vllm/model_executor/__init__.py": "",
+        "vllm/model_executor/utils.py": "def set_weight_attrs(weight, weight_attrs):\n"
+                                        "    for k, v in weight_attrs.items():\n        setattr(weight, k, v)\n",
+        "vllm/model_executor/layers/__init__.py": "",
+        "vllm/model_executor/layers/linear.py": "class LinearBase:\n    pass\n\n\nclass UnquantizedLinearMethod:\n"
+                                                "    pass\n",
+        "vllm/model_executor/layers/fused_moe/__init__.py":
+            "import types\n\n\nclass RoutedExperts:\n    def __init__(self):\n"
+            "        self.moe_config = types.SimpleNamespace(name='moe_config')\n\n"
+            "    def _map_global_expert_id_to_local_expert_id(self, expert_id):\n        return expert_id\n",
+        "vllm/model_executor/layers/fused_moe/activation.py": "class MoEActivation:\n    SWIGLUOAI = 'swigluoai'\n",
+        "vllm/model_executor/layers/quantization/__init__.py":
+            "REGISTRY = {}\n\n\ndef register_quantization_config(quantization):\n    def wrap(cls):\n"
+            "        REGISTRY[quantization] = cls\n        return cls\n    return wrap\n",
+        "vllm/model_executor/layers/quantization/base_config.py":
+            "class QuantizationConfig:\n    def __init__(self):\n        pass\n",
+        "vllm/model_executor/layers/quantization/online/__init__.py": "",
+        "vllm/model_executor/layers/quantization/online/int8.py": int8_module(**int8),
+        "vllm/model_executor/model_loader/__init__.py": "",
+        "vllm/model_executor/model_loader/default_loader.py":
+            "class DefaultModelLoader:\n    def get_all_weights(self, model_config, model):\n        return iter(())\n",
+    }
+
+
+def write_stand_in(root: Path, version: str, **int8) -> dict[str, str]:
+    """Write the stand-in under ``root``; the environment that puts it (and expq) first on the path."""
+    import os
+
+    for rel, text in stand_in_vllm(version, **int8).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(ROOT)]))
+
+
+REGISTER_AND_BUILD = """
+import sys
+import expq.engines.vllm as plugin
+from vllm.model_executor.layers.quantization import REGISTRY
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+plugin.register()
+try:
+    cfg = REGISTRY[plugin.QUANT_METHOD].from_config({"quant_method": plugin.QUANT_METHOD})
+    method = cfg.get_quant_method(RoutedExperts(), "model.layers.0.mlp.experts")
+    print("METHOD", type(method).__name__, method.moe.source)
+except Exception as e:
+    print("REFUSED", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("version,int8,outcome", [
+    ("0.24.0", {"ctor": "layer"}, "METHOD ExpqInt8MoEMethod namespace(name='moe_config')"),
+    ("0.30.0", {"ctor": "moe"}, "METHOD ExpqInt8MoEMethod namespace(name='moe_config')"),
+    ("0.34.0", {"ctor": "config"}, "REFUSED ExpqError vLLM 0.34.0 changed what the expq plugin uses (tested with "
+                                   "vLLM 0.24-0.33): Int8OnlineMoEMethod.__init__ takes (*, config); the plugin "
+                                   "knows (*, layer) (vLLM 0.24-0.29) or (*, moe) (vLLM 0.30-0.33)"),
+    ("0.35.0", {"ctor": "moe", "scale": "weight_scale"},
+     "REFUSED ExpqError vLLM 0.35.0 changed what the expq plugin uses (tested with vLLM 0.24-0.33): the online int8 "
+     "method now holds w13_weight int8 [2, 16, 12], w13_weight_scale float32 [2, 16], w2_weight int8 [2, 12, 8], "
+     "w2_weight_scale float32 [2, 12]; the plugin fills w13_scale float32 [2, 16], w13_weight int8 [2, 16, 12], "
+     "w2_scale float32 [2, 12], w2_weight int8 [2, 12, 8]"),
+], ids=["0.24-layer", "0.30-moe", "constructor-changed", "parameters-renamed"])
+def test_constructor_and_behaviour_per_release(version, int8, outcome, tmp_path):
+    """The plugin builds its method with the constructor each release has (a stand-in modelled on 0.24 alone let
+    the 0.30 break pass), and a vLLM whose constructor or online int8 parameters changed gets one line naming its
+    version and what changed, from the config vLLM would load (vLLM itself keeps serving other models)."""
+    import subprocess
+
+    env = write_stand_in(tmp_path, version, **int8)
+    r = subprocess.run([sys.executable, "-c", REGISTER_AND_BUILD], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == outcome + (
+        " (install a vLLM the plugin supports: pip install 'vllm>=0.24,<0.34')" if "REFUSED" in outcome else "")
+
+
+def test_online_arithmetic_change_is_warned_not_refused(tmp_path):
+    """A vLLM whose online experts_int8 rounds differently (here absmax / 127.5) still serves the checkpoint's
+    codes; the plugin says that outputs will differ from that vLLM's --quantization experts_int8."""
+    import subprocess
+
+    env = write_stand_in(tmp_path, "0.36.0", ctor="moe", divisor="127.5")
+    r = subprocess.run([sys.executable, "-c", REGISTER_AND_BUILD], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("METHOD ExpqInt8MoEMethod")
+    assert ("this vLLM's online experts_int8 quantizes w13 and w2 differently from expq's scheme: outputs will "
+            "differ from --quantization experts_int8") in r.stderr
+
+
+# --- a spawned engine process (vllm serve): the quantization config crosses processes by pickling ------------------
 PICKLE_IN_PARENT = """
 import pickle, sys
 import expq.engines.vllm as plugin
@@ -543,18 +652,15 @@ except Exception as e:
 """
 
 
-def test_config_pickled_into_a_spawned_engine_shares_the_plugin_state(tmp_path):
+@pytest.mark.parametrize("version,ctor", [("0.24.0", "layer"), ("0.30.0", "moe")])
+def test_config_pickled_into_a_spawned_engine_shares_the_plugin_state(version, ctor, tmp_path):
     """`vllm serve` spawns its engine core and sends it the VllmConfig by pickling (cloudpickle): the config and
     method classes must travel by name, so that the engine's copy is the class its own registration made and reads
     the routing state that its own loader writes (a class sent by value saw a stale copy of that state: 'the default
     loader never ran'). Two fresh interpreters over a stand-in vLLM package."""
-    import os
     import subprocess
 
-    for rel, text in STAND_IN_VLLM.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env = write_stand_in(tmp_path, version, ctor=ctor)
     blob = tmp_path / "config.pickle"
     for code in (PICKLE_IN_PARENT, UNPICKLE_IN_ENGINE):
         r = subprocess.run([sys.executable, "-c", code, str(blob)], capture_output=True, text=True, env=env,

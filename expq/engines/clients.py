@@ -1,9 +1,9 @@
 """Which engines load a converted checkpoint, and with which command: one answer for ``inspect``, the model card and
 the README's client table.
 
-``clients(format, layout, hidden_size)`` returns, for vLLM, transformers and expq's own loader, whether that engine
-loads this family in this format, the exact command (``{model}`` stands for the repo id or directory) and why not
-where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
+``clients(format, layout, hidden_size)`` returns, for vLLM, SGLang, transformers and expq's own loader, whether
+that engine loads this family in this format, the exact command (``{model}`` stands for the repo id or directory)
+and why not where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
 """
 
 from __future__ import annotations
@@ -11,22 +11,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layouts import Layout, shared_facts
+from .vllm_compat import TESTED_RANGE
+
+TESTED = {"vLLM": "-".join(TESTED_RANGE), "SGLang": "0.5.23"}
+"""The engine releases the compressed-tensors output and expq's vLLM plugin are tested with (``make test-vllm``:
+vLLM 0.24, 0.29 and 0.33 on a CPU, 0.24 served on an H200; SGLang's classes on a CPU)."""
+
+# vLLM 0.32-0.33 rank Humming above Marlin for WNA16 MoE on SM90, and their compressed-tensors WNA16 method then
+# asserts strategy == "group": the channel-wise output needs `--moe-backend marlin` there (every vLLM from 0.24 on
+# accepts the flag and runs the same Marlin kernel with it). tests/vllm_real checks this against the real releases.
+MARLIN_FLAG_VERSIONS = ("0.32", "0.33")
+MARLIN_FLAG_COMPUTE_CAPABILITIES = (90,)
+MARLIN_FLAG = "--moe-backend marlin"
+
+
+def vllm_needs_marlin_flag(version: str, compute_capability: int) -> bool:
+    """Whether stock vLLM ``version`` ("0.33.0") on a GPU of ``compute_capability`` (90 = H100/H200) needs
+    ``--moe-backend marlin`` to serve the compressed-tensors output (W8A16 channel-wise)."""
+    line = ".".join(version.split(".")[:2])
+    return line in MARLIN_FLAG_VERSIONS and compute_capability in MARLIN_FLAG_COMPUTE_CAPABILITIES
+
+
+def vllm_ct_commands() -> tuple[tuple[str, str], ...]:
+    """(which vLLM and GPU, the command) for serving the compressed-tensors output with stock vLLM."""
+    lines = f"{MARLIN_FLAG_VERSIONS[0]}-{MARLIN_FLAG_VERSIONS[-1]}"
+    major, minor = MARLIN_FLAG_VERSIONS[0].split(".")
+    before = f"{TESTED_RANGE[0]}-{major}.{int(minor) - 1}"
+    return ((f"vLLM {before} on any NVIDIA GPU; vLLM {lines} on A100, L40S, B200 and other GPUs that are not SM90",
+             "vllm serve {model}"),
+            (f"vLLM {lines} on H100, H200, H20, GH200 (SM90); this command serves on every vLLM {TESTED['vLLM']}",
+             f"vllm serve {{model}} {MARLIN_FLAG}"))
 
 
 @dataclass(frozen=True)
 class Client:
     """One engine's answer. ``language`` is ``bash`` or ``python`` (the command's code-block language); ``command``
-    is None where the engine cannot load the checkpoint (``note`` says why)."""
+    is None where the engine cannot load the checkpoint (``note`` says why); ``variants``: the exact command per
+    engine version and GPU class where one command does not fit all."""
 
     engine: str
     loads: bool
     language: str
     command: str | None
     note: str = ""
+    variants: tuple[tuple[str, str], ...] = ()  # (which version / GPU, the exact command) where they differ
 
     def for_model(self, model: str) -> str | None:
         """The command with ``{model}`` filled in."""
         return None if self.command is None else self.command.replace("{model}", model)
+
+    def variant_lines(self, model: str) -> list[tuple[str, str]]:
+        """``variants`` with ``{model}`` filled in."""
+        return [(when, cmd.replace("{model}", model)) for when, cmd in self.variants]
 
     def one_line(self, model: str) -> str | None:
         """The command on one line, comments dropped (``&&`` between shell commands, ``;`` between statements)."""
@@ -42,6 +78,8 @@ TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
 TRANSFORMERS_STOCK = ('from transformers import AutoModelForCausalLM\n'
                       'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts dequantized to 16-bit at load')
+SGLANG = "python -m sglang.launch_server --model-path {model}"
+SGLANG_ACTIVATIONS = ("silu",)  # SGLang's compressed-tensors WNA16 MoE (Marlin) asserts SiLU
 EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
         'model = expq.load_model(snapshot_download("{model}"))  # int8 experts, fused-MoE kernel')
 EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
@@ -63,6 +101,7 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
                        "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
                        "plugin refuses the checkpoint (unknown quantization method)."),
+                sglang(fmt, layout, hidden_size),
                 Client("transformers", True, "python", TRANSFORMERS_EXPQ,
                        "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
                        "markers), never a model with random experts."),
@@ -78,14 +117,34 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                       f"size to be a multiple of {advice.marlin_hidden_multiple}; this model's is {hidden_size}"
                       + instead.replace("; use", ", so use"))
     else:
-        note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin). {advice.backend_note} "
+        note = (f"vLLM runs the experts through its W8A16 MoE path (Marlin); tested with vLLM {TESTED['vLLM']}. "
                 f"{advice.tp_scales_note} {advice.rocm_note}")
         vllm = Client("vLLM", True, "bash", "vllm serve {model}",
-                      note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""))
+                      note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""), vllm_ct_commands())
     if layout.stock_transformers:
         tf = Client("transformers", True, "python", TRANSFORMERS_STOCK)
     else:
         tf = Client("transformers", False, "python", None,
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
                     "(it would leave them randomly initialised); use `--format experts-int8` or expq.load_model")
-    return [vllm, tf, expq]
+    return [vllm, sglang(fmt, layout, hidden_size), tf, expq]
+
+
+def sglang(fmt: str, layout: Layout, hidden_size: int | None) -> Client:
+    """SGLang (``TESTED["SGLang"]``): the compressed-tensors output through its Marlin MoE, SiLU families that stock
+    vLLM's loaders serve too (SGLang looks experts up by the same per-expert names); not experts-int8."""
+    if fmt == "experts-int8":
+        return Client("SGLang", False, "bash", None, "SGLang has no loader for expq's experts-int8 format; convert "
+                      "with `--format compressed-tensors` for SGLang")
+    multiple = shared_facts().vllm.marlin_hidden_multiple
+    why = (f"its compressed-tensors MoE (Marlin) runs SiLU only and this family's activation is {layout.activation}"
+           if layout.activation not in SGLANG_ACTIVATIONS else
+           f"as stock vLLM, it cannot: {layout.stock_vllm}" if layout.stock_vllm else
+           f"Marlin needs the hidden size to be a multiple of {multiple}; this model's is {hidden_size}"
+           if hidden_size and hidden_size % multiple else "")
+    if why:
+        return Client("SGLang", False, "bash", None, f"SGLang cannot serve this checkpoint: {why}")
+    return Client("SGLang", True, "bash", SGLANG,
+                  f"SGLang {TESTED['SGLang']} runs the experts through its compressed-tensors WNA16 MoE "
+                  "(`fused_marlin_moe`, SiLU only) on NVIDIA GPUs; expq's tests load this format into SGLang's own "
+                  "MoE layer (on a CPU), they do not serve it on a GPU yet.")

@@ -3,7 +3,7 @@
 Entry point (``pyproject.toml``): ``[project.entry-points."vllm.general_plugins"] expq =
 "expq.engines.vllm:register"``; vLLM calls ``register()`` in every process it starts, possibly more than once.
 
-What ``register()`` does (written against vLLM 0.24):
+What ``register()`` does (vLLM 0.24-0.33; ``vllm_compat`` checks the vLLM it runs on and says what changed):
 
 1. registers the quantization config ``expq_experts_int8`` (the checkpoint's ``quantization_config.quant_method``)
    with ``vllm.model_executor.layers.quantization.register_quantization_config``. Its ``get_quant_method`` gives
@@ -23,8 +23,9 @@ What ``register()`` does (written against vLLM 0.24):
    that asks for them first, e.g. by unpickling, gets them built then), so that pickles refer to them by name:
    ``vllm serve`` spawns its engine and sends it the VllmConfig, quantization config included, through cloudpickle.
 
-``import expq.engines.vllm`` never imports vLLM; a vLLM without the internals used here gives one ``ExpqError``
-naming the vLLM version and what is missing.
+``import expq.engines.vllm`` never imports vLLM; a vLLM without the internals used here, or whose signatures or
+online int8 behaviour differ from what the plugin was tested with (``vllm_compat``), gives one ``ExpqError``
+naming the vLLM version and what changed.
 """
 
 from __future__ import annotations
@@ -42,23 +43,12 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..errors import ExpqError, LayoutError, SourceError
+from . import vllm_compat as compat
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
 
 QUANT_METHOD = "expq_experts_int8"
 """The ``quant_method`` of the checkpoint's ``quantization_config`` and the name of the registered vLLM config."""
 
-# (module, attribute[, attribute of it]) that the plugin uses, checked before anything is registered.
-_NEEDED: tuple[tuple[str, ...], ...] = (
-    ("vllm.model_executor.layers.quantization", "register_quantization_config"),
-    ("vllm.model_executor.layers.quantization.base_config", "QuantizationConfig"),
-    ("vllm.model_executor.layers.linear", "LinearBase"),
-    ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
-    ("vllm.model_executor.layers.fused_moe", "RoutedExperts", "_map_global_expert_id_to_local_expert_id"),
-    ("vllm.model_executor.layers.fused_moe.activation", "MoEActivation", "SWIGLUOAI"),
-    ("vllm.model_executor.layers.quantization.online.int8", "Int8OnlineMoEMethod", "_setup_kernel"),
-    ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader", "get_all_weights"),
-    ("vllm.model_executor.utils", "set_weight_attrs"),
-)
 _LOCK = threading.Lock()
 _LOG = logging.getLogger("expq.vllm")
 # "api", "config_cls", "method_cls" once registered ("refusal": why not, on an unsupported vLLM); "routing": the
@@ -67,12 +57,15 @@ _STATE: dict[str, Any] = {}
 
 
 def vllm_version() -> str:
-    """The installed vLLM's version string ("not installed" when there is none)."""
+    """The version of the vLLM that ``import vllm`` gives (its ``__version__``, else its distribution's), "not
+    installed" when there is none."""
+    if not _importable("vllm"):
+        return "not installed"
+    version = getattr(importlib.import_module("vllm"), "__version__", None)
     try:
-        return importlib.metadata.version("vllm")
+        return version or importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        mod = importlib.import_module("vllm") if _importable("vllm") else None
-        return getattr(mod, "__version__", "unknown") if mod is not None else "not installed"
+        return "unknown"
 
 
 def _importable(name: str) -> bool:
@@ -94,7 +87,7 @@ def vllm_api() -> SimpleNamespace:
         raise ExpqError("the expq vLLM plugin needs vLLM, which is not installed",
                         hint="pip install 'expq[vllm]'")
     found, missing = {}, []
-    for module, attr, *sub in _NEEDED:
+    for module, attr, *sub in compat.NEEDED:
         try:
             obj = getattr(importlib.import_module(module), attr)
             for s in sub:
@@ -103,10 +96,38 @@ def vllm_api() -> SimpleNamespace:
             missing.append(f"{module}.{attr}" + "".join(f".{s}" for s in sub))
             continue
         found[attr] = obj
+    tested = "-".join(compat.TESTED_RANGE)
+    low, high = compat.TESTED_RANGE
+    hint = f"install a vLLM the plugin supports: pip install 'vllm>={low},<{_next(high)}'"
     if missing:
-        raise ExpqError(f"vLLM {vllm_version()} lacks what the expq plugin uses (written for vLLM 0.24): "
-                        f"{', '.join(missing)}", hint="install a vLLM version the plugin supports")
-    return SimpleNamespace(**found)
+        raise ExpqError(f"vLLM {vllm_version()} lacks what the expq plugin uses (tested with vLLM {tested}): "
+                        f"{', '.join(missing)}", hint=hint)
+    api = SimpleNamespace(**found)
+    _check_contract(api, f"vLLM {vllm_version()} changed what the expq plugin uses (tested with vLLM {tested})", hint)
+    api.ctor = compat.constructor_keyword(api.Int8OnlineMoEMethod)
+    return api
+
+
+def _check_contract(api: SimpleNamespace, what: str, hint: str) -> None:
+    """The signatures, then the online int8 behaviour (``vllm_compat``); differences that only change the numbers
+    of ``--quantization experts_int8`` are logged.
+
+    Raises:
+        ExpqError: ``what: <each change>``.
+    """
+    changed = compat.signature_changes(api)
+    if not changed:
+        changed, notes = compat.behaviour_changes(api)
+        for note in notes:
+            _LOG.warning("expq plugin on vLLM %s: %s", vllm_version(), note)
+    if changed:
+        raise ExpqError(f"{what}: {'; '.join(changed)}", hint=hint)
+
+
+def _next(version: str) -> str:
+    """The release line after ``version`` ("0.33" -> "0.34")."""
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}"
 
 
 # --- registration -------------------------------------------------------------------------------------------------
@@ -255,14 +276,15 @@ def _method_class(api: SimpleNamespace) -> type:
     """The MoE method: vLLM's online int8 method with the stored tensors instead of a quantization pass."""
 
     class ExpqInt8MoEMethod(api.Int8OnlineMoEMethod):
-        """vLLM 0.24's ``Int8OnlineMoEMethod`` (int8_w8a16 Triton modular kernel) over codes and scales read
+        """vLLM's ``Int8OnlineMoEMethod`` (int8_w8a16 Triton modular kernel) over codes and scales read
         from the checkpoint: ``create_weights`` makes the int8 / fp32 parameters on the real device (not meta),
         ``process_weights_after_loading`` checks that they were filled and sets up the kernel, nothing else."""
 
         uses_meta_device = False
 
         def __init__(self, *, layer: torch.nn.Module):
-            super().__init__(layer=layer)
+            # vLLM 0.24-0.29: __init__(*, layer); 0.30-0.33: __init__(*, moe: FusedMoEConfig) (vllm_compat)
+            super().__init__(**{api.ctor: layer if api.ctor == "layer" else layer.moe_config})
             self.loader: LayerLoader | None = None
 
         @property
@@ -271,6 +293,10 @@ def _method_class(api: SimpleNamespace) -> type:
 
         def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+            shards = getattr(self.moe, "w13_num_shards", 2)  # vLLM >= 0.28; 2 for gated activations
+            if shards != 2:
+                raise ExpqError(f"{getattr(layer, 'layer_name', 'a MoE layer')}: vLLM builds w13 from {shards} "
+                                "projection(s); expq checkpoints hold gate and up (a gated activation)")
             layer.num_experts = num_experts
             layer.orig_dtype = params_dtype
             layer.weight_block_size = None
