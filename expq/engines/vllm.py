@@ -13,7 +13,8 @@ What ``register()`` does (written against vLLM 0.24):
    int8 [E_local, H, I_r], ``w13_scale`` fp32 [E_local, 2*I_r], ``w2_scale`` fp32 [E_local, H], plus
    ``w13_bias`` / ``w2_bias`` in the model dtype where the layer has biases, loaded by the model's own loader), and
    whose ``process_weights_after_loading`` quantizes nothing: it checks that every piece arrived and sets up the
-   same int8_w8a16 Triton modular kernel as the online method;
+   same int8_w8a16 Triton modular kernel as the online method (with ``EXPQ_VLLM_KERNEL=expq``, ``apply`` runs
+   expq's fused-MoE kernel instead where it can serve the layer: ``expq.engines.vllm_kernel``);
 2. wraps ``DefaultModelLoader.get_all_weights``: for a model served with ``quantization == "expq_experts_int8"``,
    each tensor the checkpoint's format classifies as a routed-expert piece is loaded straight into its layer
    (``expq.engines.moe_loading``: tensor and expert parallelism, interleaved w13 rows for ``swigluoai``), markers
@@ -42,6 +43,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..errors import ExpqError, LayoutError, SourceError
+from . import vllm_kernel
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
 
 QUANT_METHOD = "expq_experts_int8"
@@ -260,6 +262,7 @@ def _method_class(api: SimpleNamespace) -> type:
         ``process_weights_after_loading`` checks that they were filled and sets up the kernel, nothing else."""
 
         uses_meta_device = False
+        expq_experts: vllm_kernel.ExpqExperts | None = None  # set after loading when expq's kernel serves the layer
 
         def __init__(self, *, layer: torch.nn.Module):
             super().__init__(layer=layer)
@@ -304,7 +307,13 @@ def _method_class(api: SimpleNamespace) -> type:
                                   f"loaded: {why}", hint=hint)
             self.loader.check_complete()
             self._setup_kernel(layer)
+            self.expq_experts = vllm_kernel.setup(self, layer)
             layer._already_called_process_weights_after_loading = True
+
+        def apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):
+            if self.expq_experts is None:
+                return super().apply(layer, x, topk_weights, topk_ids, *args, **kwargs)
+            return self.expq_experts(layer, x, topk_weights, topk_ids)
 
     return ExpqInt8MoEMethod
 
