@@ -51,7 +51,7 @@ class StandInInt8OnlineMoEMethod:
         return VLLM_RESULT
 
 
-METHOD = plugin._method_class(SimpleNamespace(Int8OnlineMoEMethod=StandInInt8OnlineMoEMethod,
+METHOD = plugin._method_class(SimpleNamespace(Int8OnlineMoEMethod=StandInInt8OnlineMoEMethod, ctor="layer",
                                               set_weight_attrs=lambda p, attrs: None))
 
 

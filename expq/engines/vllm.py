@@ -43,7 +43,6 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..errors import ExpqError, LayoutError, SourceError
-from . import vllm_kernel
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
 
 QUANT_METHOD = "expq_experts_int8"
@@ -262,7 +261,7 @@ def _method_class(api: SimpleNamespace) -> type:
         ``process_weights_after_loading`` checks that they were filled and sets up the kernel, nothing else."""
 
         uses_meta_device = False
-        expq_experts: vllm_kernel.ExpqExperts | None = None  # set after loading when expq's kernel serves the layer
+        expq_experts = None  # vllm_kernel.ExpqExperts, set after loading where expq's kernel serves the layer
 
         def __init__(self, *, layer: torch.nn.Module):
             super().__init__(layer=layer)
@@ -307,6 +306,8 @@ def _method_class(api: SimpleNamespace) -> type:
                                   f"loaded: {why}", hint=hint)
             self.loader.check_complete()
             self._setup_kernel(layer)
+            from . import vllm_kernel  # EXPQ_VLLM_KERNEL: expq's kernel or vLLM's for this layer
+
             self.expq_experts = vllm_kernel.setup(self, layer)
             layer._already_called_process_weights_after_loading = True
 
