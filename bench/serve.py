@@ -206,11 +206,31 @@ def child(step: str, spec: dict, log_path: Path, timeout: float) -> tuple[int | 
                              start_new_session=True)
         try:
             p.wait(timeout=max(1.0, timeout))
+            code = p.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)  # its whole process group: the engine core it started too
-            p.wait()
-            return None, time.monotonic() - t0
-    return p.returncode, time.monotonic() - t0
+            code = None
+        try:
+            os.killpg(p.pid, 9)  # its whole process group: an engine core it started that outlived it too
+        except ProcessLookupError:
+            pass
+        p.wait()
+    wait_gpu_free()
+    return code, time.monotonic() - t0
+
+
+def wait_gpu_free(limit: float = 60.0) -> None:
+    """Until no process holds the GPU (nvidia-smi lists no compute application), at most ``limit`` seconds: the
+    next serve must find the memory free (vLLM checks that ``gpu_memory_utilization`` of it is)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if q.returncode != 0 or not q.stdout.strip():
+            return
+        time.sleep(1.0)
 
 
 def prepare_shape(shape: str, work: Path, todo: list[str], deadline: float, results: dict) -> bool:
