@@ -29,7 +29,8 @@ by kind (MoE GEMMs, the MoE sort, MoE sum/activation, attention, dense GEMMs, ot
 (``cudaGraphLaunch``; kernel launches outside a graph; synchronisations; copies), and the top kernels.
 
 Budget: ``--budget`` seconds for the whole invocation; a serve is not started unless the time left covers the
-longest serve so far (or ``--serve-estimate`` before the first); what is skipped says so in the report. ``--resume``
+longest serve so far (``--serve-estimate`` before the first); what is skipped says so in the report. The serves
+run in ``SERVE_ORDER`` (vLLM's kernel, expq's, Marlin, online, bf16) unless ``--paths`` says otherwise. ``--resume``
 keeps OUT/serve.json's finished serves and WORK's checkpoints and does the rest (a second device call on the same
 warm machine). A shape's checkpoints are deleted once all its serves are done (disk: Qwen3 15 + 8 + 8 GiB, Mixtral
 11 + 6 + 6 GiB), unless ``--keep``.
@@ -91,6 +92,8 @@ PATHS = {
     "int8-expq": ("int8", None, "expq", "expq experts-int8, expq's kernel"),
     "ct-marlin": ("ct", None, None, "expq compressed-tensors (Marlin)"),
 }
+SERVE_ORDER = ("int8-vllm", "int8-expq", "ct-marlin", "online", "bf16")
+"""The default order of the serves: the paths the issue's open questions need first, should the budget run out."""
 FORMATS = {"int8": "experts-int8", "ct": "compressed-tensors"}
 
 # workload -> (requests, prompt tokens, output tokens, the column's label); figure: output tokens/s, or prompt
@@ -133,23 +136,28 @@ def main(argv=None) -> int:
     state.setdefault("results", {})
     state["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     state["machine"] = state.get("machine") or machine()
-    longest = [args.serve_estimate]
+    measured: list[float] = []  # seconds of each serve so far: the longest is the next one's estimate
     for shape in args.shapes:
         results = state["results"].setdefault(shape, {})
         todo = [p for p in args.paths if results.get(p, {}).get("status") != "ok"]
         if not todo:
             log(f"{shape}: every path done")
             continue
+        need = max(measured, default=args.serve_estimate)
+        if time.monotonic() + need > deadline:
+            results.update({p: {"status": f"skipped: budget ({need:.0f} s needed)"} for p in todo})
+            continue
         if not prepare_shape(shape, work / shape, todo, deadline, results):
             write_report(out, state)
             continue
         for path in todo:
-            if time.monotonic() + longest[0] > deadline:
-                results[path] = {"status": f"skipped: budget ({longest[0]:.0f} s needed)"}
+            need = max(measured, default=args.serve_estimate)
+            if time.monotonic() + need > deadline:
+                results[path] = {"status": f"skipped: budget ({need:.0f} s needed)"}
                 continue
             t0 = time.monotonic()
             results[path] = serve_path(shape, path, work / shape, out, args, deadline)
-            longest[0] = max(longest[0], time.monotonic() - t0)
+            measured.append(time.monotonic() - t0)
             write_report(out, state)
         if all(results.get(p, {}).get("status") == "ok" for p in args.paths) and not args.keep:
             shutil.rmtree(work / shape, ignore_errors=True)
@@ -162,7 +170,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="serve.json, serve.md, logs/ (and work/ unless --work)")
     ap.add_argument("--shapes", nargs="+", default=["qwen3", "mixtral"], choices=list(SHAPES))
-    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--paths", nargs="+", default=list(SERVE_ORDER), choices=list(PATHS),
+                    help="which serves, in this order (the table lists them in its own order)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--runs", type=int, default=3, help="timed runs per workload (the table shows the median)")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole invocation")

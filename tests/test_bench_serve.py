@@ -106,3 +106,20 @@ def test_report(serve, tmp_path):
     assert "| expq experts-int8, expq's kernel | 750 (740-760) | 40.0 | 8.36 | ok |" in md
     assert "| expq compressed-tensors (Marlin) | - | - | - | skipped: budget (150 s needed) |" in md
     assert "| 1 request (128 in, 256 out) | 750 | 700 (int8-vllm) | 1.07x | 1.07x |" in md
+
+
+def test_budget_and_resume(serve, tmp_path):
+    """No time for a serve: nothing is built or started, every path says why; --resume keeps a finished serve."""
+    out = tmp_path / "out"
+    assert serve.main([str(out), "--shapes", "qwen3", "--budget", "0"]) == 0
+    state = json.loads((out / "serve.json").read_text())
+    assert {p: r["status"] for p, r in state["results"]["qwen3"].items()} == {
+        p: "skipped: budget (150 s needed)" for p in serve.PATHS}
+    assert not (out / "work").exists()
+    state["results"]["qwen3"]["int8-expq"] = {"status": "ok", "runs": {"16": [5000.0]}}
+    (out / "serve.json").write_text(json.dumps(state))
+    serve.main([str(out), "--shapes", "qwen3", "--budget", "0", "--resume", "--serve-estimate", "90"])
+    results = json.loads((out / "serve.json").read_text())["results"]["qwen3"]
+    assert results["int8-expq"]["runs"] == {"16": [5000.0]}
+    assert results["bf16"]["status"] == "skipped: budget (90 s needed)"
+    assert "| expq experts-int8, expq's kernel | 5,000 |" in (out / "serve.md").read_text()
