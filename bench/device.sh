@@ -118,12 +118,14 @@ case "${1:-}" in
       --parallel 1 --prepare-timeout 200 --budget 320 2>&1 | tail -30 || true
     cp /tmp/big/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   serve-bench)
+    # results and checkpoints under build/serve (kept on a warm machine: --resume in the next call), copied to $OUT
     vllm_env
-    mkdir -p "$OUT"
+    mkdir -p "$OUT/serve"
     # shellcheck disable=SC2086 # SERVE_ARGS is a list of arguments
-    timeout 590 python3 bench/serve.py "$OUT/serve" ${SERVE_ARGS:---shapes qwen3 --runs 2 --profile --budget 540} \
+    timeout 590 python3 bench/serve.py build/serve ${SERVE_ARGS:---shapes qwen3 --runs 2 --profile --budget 540} \
       2>&1 | grep '^\[serve\]' | tail -40 || true
-    cat "$OUT/serve/serve.md" 2>/dev/null | head -80 || true ;;
+    cp -r build/serve/serve.json build/serve/serve.md build/serve/logs build/serve/runs "$OUT/serve/" 2>/dev/null || true
+    head -80 build/serve/serve.md 2>/dev/null || true ;;
   kernel-choice)
     export PYTHONPATH=$PWD
     mkdir -p "$OUT"
