@@ -10,15 +10,15 @@
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM (3 interleaved rounds, ~5 min)
 #   bash bench/device.sh kernel-profile  # needs install: the kernel-by-kernel profile, end to end
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
-#   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
-#   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
-#   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
 #   bash bench/device.sh serve-bench   # needs install: bench/serve.py (SERVE_ARGS, default: Qwen3 shape, 2 runs,
 #                                      #   --profile, 540 s); a second call with --resume carries on (same machine)
 #   bash bench/device.sh kernel-choice # needs install: the custom op's GPU tests, then vllm_compare.py with
 #                                      #   expq's kernel and Marlin against online experts_int8 (VC_FAMILIES,
 #                                      #   VC_PARALLEL; llama4_text and deepseek_v3 serve one at a time:
 #                                      #   VC_PARALLEL=1 EXPQ_VC_GPU_UTIL=0.5)
+#   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
+#   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
+#   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -106,17 +106,6 @@ case "${1:-}" in
     vllm_env
     timeout 200 python3 bench/bench_kernel.py --e2e --e2e-profile-host --json "$OUT/e2e_prof.json" 2>&1 | tail -120 || true
     timeout 100 python3 bench/bench_sort_free.py --json "$OUT/sort_free.json" 2>&1 | grep -v '^{' | tail -8 || true ;;
-  issue12)
-    vllm_env
-    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \
-      --basetemp=/tmp/pt 2>&1 | grep -E "passed|failed|^E " | tail -30 || true
-    mkdir -p "$OUT/serve"
-    for f in /tmp/pt/*/serve.log; do [ -f "$f" ] && cp "$f" "$OUT/serve/$(basename "$(dirname "$f")").log"; done
-    EXPQ_VC_GPU_UTIL=0.5 timeout 330 python3 bench/vllm_compare.py /tmp/big --families mixtral \
-      --set mixtral.hidden_size=4096 --set mixtral.intermediate_size=14336 --set mixtral.num_hidden_layers=2 \
-      --set mixtral.num_attention_heads=32 --set mixtral.num_key_value_heads=8 --runs online,converted \
-      --parallel 1 --prepare-timeout 200 --budget 320 2>&1 | tail -30 || true
-    cp /tmp/big/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   serve-bench)
     # results and checkpoints under build/serve (kept on a warm machine: --resume in the next call), copied to $OUT
     vllm_env
@@ -135,6 +124,17 @@ case "${1:-}" in
     timeout 400 python3 bench/vllm_compare.py /tmp/vck --families "${VC_FAMILIES:-mixtral,qwen3_moe}" \
       --runs online,converted,expq,marlin --parallel "${VC_PARALLEL:-3}" --budget 390 2>&1 | tail -20 || true
     cp /tmp/vck/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
+  issue12)
+    vllm_env
+    timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \
+      --basetemp=/tmp/pt 2>&1 | grep -E "passed|failed|^E " | tail -30 || true
+    mkdir -p "$OUT/serve"
+    for f in /tmp/pt/*/serve.log; do [ -f "$f" ] && cp "$f" "$OUT/serve/$(basename "$(dirname "$f")").log"; done
+    EXPQ_VC_GPU_UTIL=0.5 timeout 330 python3 bench/vllm_compare.py /tmp/big --families mixtral \
+      --set mixtral.hidden_size=4096 --set mixtral.intermediate_size=14336 --set mixtral.num_hidden_layers=2 \
+      --set mixtral.num_attention_heads=32 --set mixtral.num_key_value_heads=8 --runs online,converted \
+      --parallel 1 --prepare-timeout 200 --budget 320 2>&1 | tail -30 || true
+    cp /tmp/big/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   *)
-    sed -n '2,20p' "$0"; exit 2 ;;
+    sed -n '2,14p' "$0"; exit 2 ;;
 esac

@@ -62,8 +62,8 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
         return [vllm or Client("vLLM", True, "bash", VLLM_PLUGIN,
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
                        "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs (`EXPQ_VLLM_KERNEL=expq` "
-                       "runs expq's fused-MoE kernel instead); stock vLLM without the plugin refuses the checkpoint "
-                       "(unknown quantization method)."),
+                       "runs expq's fused-MoE kernel instead); stock vLLM without the "
+                       "plugin refuses the checkpoint (unknown quantization method)."),
                 Client("transformers", True, "python", TRANSFORMERS_EXPQ,
                        "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
                        "markers), never a model with random experts."),
