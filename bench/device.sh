@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 session's device calls as named steps (issues 12, 13), so that each `run` is one short command issued
+# The H200 session's device calls as named steps (issues 12, 13, 26), so that each `run` is one short command issued
 # within the machine's 30 s idle window. Run from the repo root on the device machine; results go to $OUT.
 #
 #   bash bench/device.sh stage 00      # carry [".vllm/bundle.part-00", ".vllm/bundle.sha256"]
@@ -10,6 +10,12 @@
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM (3 interleaved rounds, ~5 min)
 #   bash bench/device.sh kernel-profile  # needs install: the kernel-by-kernel profile, end to end
 #   bash bench/device.sh issue12       # needs install: the card's vllm serve test, the full-size load comparison
+#   bash bench/device.sh serve-bench   # needs install: bench/serve.py (SERVE_ARGS, default: Qwen3 shape, 2 runs,
+#                                      #   --profile, 540 s); a second call with --resume carries on (same machine)
+#   bash bench/device.sh kernel-choice # needs install: the custom op's GPU tests, then vllm_compare.py with
+#                                      #   expq's kernel and Marlin against online experts_int8 (VC_FAMILIES,
+#                                      #   VC_PARALLEL; llama4_text and deepseek_v3 serve one at a time:
+#                                      #   VC_PARALLEL=1 EXPQ_VC_GPU_UTIL=0.5)
 #   bash bench/device.sh serve-check   # needs install: the card's vllm serve test, two small families via LLM()
 #   bash bench/device.sh e2e-profile   # needs install: host-time profile of the e2e forwards; sort-free decode
 #   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
@@ -24,7 +30,8 @@ set -euo pipefail
 OUT=${OUT:-/tmp/out}
 STAGE=/tmp/stage
 export VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_DIR=$PWD/build/triton-cache
-vllm_env() { export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/stub:/tmp/site:$PWD; }
+# $PWD before /tmp/site: expq's code comes from this checkout (the wheel in /tmp/site brings the entry point)
+vllm_env() { export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/stub:$PWD:/tmp/site; }
 
 case "${1:-}" in
   stage)
@@ -101,6 +108,24 @@ case "${1:-}" in
     vllm_env
     timeout 200 python3 bench/bench_kernel.py --e2e --e2e-profile-host --json "$OUT/e2e_prof.json" 2>&1 | tail -120 || true
     timeout 100 python3 bench/bench_sort_free.py --json "$OUT/sort_free.json" 2>&1 | grep -v '^{' | tail -8 || true ;;
+  serve-bench)
+    # results and checkpoints under build/serve (kept on a warm machine: --resume in the next call), copied to $OUT
+    vllm_env
+    mkdir -p "$OUT/serve"
+    # shellcheck disable=SC2086 # SERVE_ARGS is a list of arguments
+    timeout 590 python3 bench/serve.py build/serve ${SERVE_ARGS:---shapes qwen3 --runs 2 --profile --budget 540} \
+      2>&1 | grep '^\[serve\]' | tail -40 || true
+    cp -r build/serve/serve.json build/serve/serve.md build/serve/logs build/serve/runs "$OUT/serve/" 2>/dev/null || true
+    head -80 build/serve/serve.md 2>/dev/null || true ;;
+  kernel-choice)
+    export PYTHONPATH=$PWD
+    mkdir -p "$OUT"
+    timeout 150 python3 -m pytest -q -m gpu tests/test_kernel_custom_op.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests_custom_op.log" | tail -5 || true
+    vllm_env
+    timeout 400 python3 bench/vllm_compare.py /tmp/vck --families "${VC_FAMILIES:-mixtral,qwen3_moe}" \
+      --runs online,converted,expq,marlin --parallel "${VC_PARALLEL:-3}" --budget 390 2>&1 | tail -20 || true
+    cp /tmp/vck/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   issue12)
     vllm_env
     timeout 240 python3 -m pytest -q -m gpu tests/test_card_commands.py -k vllm -p no:cacheprovider \

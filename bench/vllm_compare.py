@@ -9,7 +9,11 @@ One invocation (about 9 minutes at most, ``--budget``), per family:
   3. serve    each in its own process (vLLM does not free the GPU within one), up to ``--parallel`` at once with
               ``gpu_memory_utilization`` 0.28: online ``LLM(SRC, quantization="experts_int8")``, converted
               ``LLM(OUT)`` (its quantization_config picks the method: expq's plugin for experts-int8, vLLM's
-              compressed-tensors otherwise), and unquantized ``LLM(SRC)`` (``--runs``). Each: enforce_eager,
+              compressed-tensors otherwise; ``EXPQ_VLLM_KERNEL=vllm``), ``expq`` = the same with
+              ``EXPQ_VLLM_KERNEL=expq`` (expq's kernel in the plugin), ``marlin`` = ``LLM`` of a compressed-tensors
+              conversion of the same source (vLLM's Marlin on the same int8 codes: how far two of vLLM's own
+              kernels are apart), and unquantized ``LLM(SRC)`` (``--runs``). Each: enforce_eager (``--graphs``:
+              CUDA graphs and torch.compile, vLLM's defaults),
               skip_tokenizer_init, max_model_len 512, a fixed 32-token prompt of token ids, prompt_logprobs=1,
               greedy decoding of ``--tokens`` tokens (ignore_eos) with logprobs=1;
   4. compare  the converted and unquantized runs against online experts_int8.
@@ -36,6 +40,7 @@ fixtures are built there):
   python bench/vllm_compare.py $OUT/vc                                # every family, experts-int8
   python bench/vllm_compare.py $OUT/vc --format compressed-tensors --families mixtral,qwen3_moe
   python bench/vllm_compare.py $OUT/vc --families gpt_oss,dbrx,phimoe --runs online,bf16 --parallel 3
+  python bench/vllm_compare.py $OUT/vc --runs online,converted,expq,marlin --graphs   # expq's kernel vs vLLM's
 
 Here (CPU, no vLLM): ``--dry-run`` stops after steps 1-2 (``--format compressed-tensors`` until experts-int8 lands).
 Other options: ``--skip-convert`` (reuse DIR/family/out), ``--serve-timeout`` (seconds per serve), ``--set
@@ -56,7 +61,9 @@ from pathlib import Path
 
 PROMPT_LEN, MAX_MODEL_LEN = 32, 512
 GPU_UTIL = float(os.environ.get("EXPQ_VC_GPU_UTIL", "0.28"))  # per serve; raise it for a serve that runs alone
-RUNS = {"online": "experts_int8", "converted": None, "bf16": None}  # run name -> quantization argument
+RUNS = {"online": "experts_int8", "converted": None, "expq": None, "marlin": None, "bf16": None}  # -> --quantization
+RUN_KERNEL = {"converted": "vllm", "expq": "expq"}  # run name -> EXPQ_VLLM_KERNEL
+EAGER = os.environ.get("EXPQ_VC_EAGER", "1") != "0"  # --graphs sets 0 for the serves
 
 
 def prompt_ids(vocab: int) -> list[int]:
@@ -88,8 +95,9 @@ def default_families() -> list[str]:
 
 
 # --- steps 1-2: fixture and conversion (in worker processes, CPU) ------------------------------------------------------
-def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict) -> dict:
-    """Build DIR/family/src, convert it to DIR/family/out; return what happened (errors as text, never raised)."""
+def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict, ct: bool = False) -> dict:
+    """Build DIR/family/src, convert it to DIR/family/out (``ct``: also to DIR/family/out-ct in compressed-tensors);
+    return what happened (errors as text, never raised)."""
     import torch
 
     torch.set_num_threads(2)
@@ -98,7 +106,7 @@ def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict) ->
 
     d = Path(work) / family
     src, out = d / "src", d / "out"
-    rec: dict = {"family": family, "src": str(src), "out": str(out)}
+    rec: dict = {"family": family, "src": str(src), "out": str(out), "out_ct": str(d / "out-ct")}
     t = time.perf_counter()
     try:
         if not (src / "config.json").exists():
@@ -108,14 +116,15 @@ def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict) ->
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"fixture: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return rec
-    if skip_convert and (out / "config.json").exists():
-        return rec
-    t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "expq.cli", "convert", str(src), str(out), "--format", fmt,
-                        "--overwrite"], capture_output=True, text=True)
-    rec["convert_s"] = round(time.perf_counter() - t, 2)
-    if p.returncode != 0:
-        rec["convert_error"] = error_lines(p.stdout + p.stderr) or f"exit {p.returncode}"
+    for dst, f in [(out, fmt)] + ([(d / "out-ct", "compressed-tensors")] if ct else []):
+        if skip_convert and (dst / "config.json").exists():
+            continue
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "expq.cli", "convert", str(src), str(dst), "--format", f,
+                            "--overwrite"], capture_output=True, text=True)
+        rec.setdefault("convert_s", round(time.perf_counter() - t, 2))
+        if p.returncode != 0:
+            rec.setdefault("convert_error", f"{f}: " + (error_lines(p.stdout + p.stderr) or f"exit {p.returncode}"))
     return rec
 
 
@@ -129,7 +138,7 @@ def serve_one(model: str, out: str, quantization: str | None, tokens: int) -> No
     prompt = prompt_ids(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size", 1000))
     kw = {"quantization": quantization} if quantization else {}
     t1 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=GPU_UTIL,
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=EAGER, gpu_memory_utilization=GPU_UTIL,
               max_model_len=MAX_MODEL_LEN, seed=0, **kw)
     t2 = time.perf_counter()
     params = SamplingParams(max_tokens=tokens, temperature=0, prompt_logprobs=1, logprobs=1, ignore_eos=True,
@@ -186,7 +195,8 @@ def serve_all(jobs: list[dict], results: Path, parallel: int, timeout: float, de
             if job["quantization"]:
                 cmd += ["--quantization", job["quantization"]]
             fh = open(job["log"], "w")  # noqa: SIM115 - closed when the process ends
-            job["proc"], job["fh"], job["t0"] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+            job["proc"], job["fh"], job["t0"] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                                                 env=dict(env, **job.get("env", {})),
                                                                  start_new_session=True), fh, time.monotonic()
             running.append(job)
             print(f"start {job['family']} {job['run']}", flush=True)
@@ -276,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dir", type=Path, help="results and fixtures go here (fixtures under DIR/fixtures)")
     ap.add_argument("--families", help="comma-separated model types (default: every family, see the docstring)")
     ap.add_argument("--format", default="experts-int8", help="expq convert --format (default experts-int8)")
-    ap.add_argument("--runs", default="online,converted,bf16", help="which serves, of online,converted,bf16")
+    ap.add_argument("--runs", default="online,converted,bf16",
+                    help="which serves, of online,converted,expq,marlin,bf16")
+    ap.add_argument("--graphs", action="store_true", help="serve with CUDA graphs and torch.compile (not eager)")
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens to generate (default 256)")
     ap.add_argument("--parallel", type=int, default=3, help="serves at once (default 3)")
     ap.add_argument("--serve-timeout", type=float, default=240, help="seconds per serve (default 240)")
@@ -287,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="FAMILY.KEY=JSON", help="fixture config override")
     args = ap.parse_args(argv)
     deadline = time.monotonic() + args.budget
+    if args.graphs:
+        os.environ["EXPQ_VC_EAGER"] = "0"  # read by each serve
     args.runs = [r for r in args.runs.split(",") if r]
     assert set(args.runs) <= set(RUNS), f"--runs takes {','.join(RUNS)}"
     assert args.tokens + PROMPT_LEN <= MAX_MODEL_LEN, f"--tokens at most {MAX_MODEL_LEN - PROMPT_LEN}"
@@ -306,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         rec_file = work / name / "prepare.json"
         rec_file.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "_prepare", name, str(work), args.format, str(int(args.skip_convert)),
+               str(int("marlin" in args.runs)),
                json.dumps(sets.get(name, {}))]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.prepare_timeout)
@@ -336,10 +351,11 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             arch = (fam["config"].get("architectures") or ["?"])[0]
             job = {"family": fam["family"], "run": run, "quantization": RUNS[run],
-                   "model": fam["out"] if run == "converted" else fam["src"]}
+                   "model": {"converted": fam["out"], "expq": fam["out"], "marlin": fam["out_ct"]}.get(run, fam["src"]),
+                   "env": {"EXPQ_VLLM_KERNEL": RUN_KERNEL[run]} if run in RUN_KERNEL else {}}
             if arch not in archs:
                 job.update(status="not served", error=f"vLLM {_vllm_version()} registers no {arch}")
-            elif run == "converted" and fam.get("convert_error"):
+            elif run in ("converted", "expq", "marlin") and fam.get("convert_error"):
                 job.update(status="not served", error="conversion failed")
             jobs.append(job)
     serve_all([j for j in jobs if "status" not in j], args.dir, args.parallel, args.serve_timeout, deadline,
@@ -358,9 +374,9 @@ def _vllm_version() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_prepare":  # family work format skip_convert sets_json
-        fam_, work_, fmt_, skip_, sets_ = sys.argv[2:7]
-        rec_ = prepare(fam_, work_, fmt_, skip_ == "1", json.loads(sets_))
+    if len(sys.argv) > 1 and sys.argv[1] == "_prepare":  # family work format skip_convert ct sets_json
+        fam_, work_, fmt_, skip_, ct_, sets_ = sys.argv[2:8]
+        rec_ = prepare(fam_, work_, fmt_, skip_ == "1", json.loads(sets_), ct_ == "1")
         (Path(work_) / fam_).mkdir(parents=True, exist_ok=True)
         (Path(work_) / fam_ / "prepare.json").write_text(json.dumps(rec_))
     elif len(sys.argv) > 1 and sys.argv[1] == "_serve":

@@ -436,6 +436,72 @@ def test_empty_experts_duplicates_and_sparse_path():
                               torch.float16, "sparse path")
 
 
+EP_MAPS = {"linear-rank1": (-1, -1, -1, 0, 1, 2), "round-robin-rank0": (0, -1, 1, -1, 2, -1),
+           "permuted": (2, -1, 0, -1, -1, 1)}
+
+
+def ep_problem(emap, t, top_k, dtype, seed, bias=True, e_global=E):
+    """A global problem, this rank's share of it (the local experts of ``emap``), and the reference: the global
+    problem with the router weights of other ranks' experts set to 0 (what this rank must add). The rows of skipped
+    pairs in GEMM1's cache are never written (as on the GPU): the interpreter's numpy warns about their garbage."""
+    args, kwargs = make_problem(e=e_global, t=t, top_k=top_k, dtype=dtype, seed=seed, bias=bias)
+    x, w13, w2, s13, s2, tw, ti = args
+    order = sorted((loc, g) for g, loc in enumerate(emap) if loc >= 0)
+    held = [g for _, g in order]
+    local = (x, w13[held], w2[held], s13[held], s2[held], tw, ti)
+    local_kw = {k: v[held] for k, v in kwargs.items()}
+    mine = torch.isin(ti, torch.tensor(held))
+    ref = moe_reference(x, w13, w2, s13, s2, torch.where(mine, tw, torch.zeros_like(tw)), ti, **kwargs)
+    return local, local_kw, torch.tensor(emap, dtype=torch.int32), ref, mine
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter on unused rows
+@pytest.mark.parametrize("name", sorted(EP_MAPS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_expert_map_adds_only_local_experts(name, backend, dtype):
+    """Expert parallelism: global topk_ids through vLLM's expert_map; the pairs of other ranks' experts add exactly
+    nothing (tokens routed only there get exactly 0), local ones match the global reference."""
+    local, kw, emap, ref, mine = ep_problem(EP_MAPS[name], t=17, top_k=2, dtype=dtype, seed=31)
+    assert mine.any() and not mine.all() and (~mine).all(dim=1).any()  # some tokens have no local expert at all
+    assert torch.equal(moe_reference(*local, **kw, expert_map=emap), ref)
+    out = run(backend, local, kw, expert_map=emap)
+    assert_close_to_reference(out, ref, dtype, f"{backend} {name}")
+    assert bool((out[(~mine).all(dim=1)] == 0).all())
+    # negative control: the same local weights read as if the global ids were local ones
+    bad = run(backend, (*local[:6], local[6].clamp(max=len(local[1]) - 1)), kw).float()
+    assert ((bad - ref).norm() / ref.norm()).item() > 20 * REL_BOUND[dtype]
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter on unused rows
+@pytest.mark.parametrize("top_k,split_k", [(1, 1), (1, 2), (2, 2)])
+def test_expert_map_zero_fills_every_gemm2_buffer(top_k, split_k):
+    """Each form of GEMM2's output (the result itself at top_k 1, fp32 split-K partials) starts at zero under a map,
+    so that skipped pairs add nothing; the sort-free decode path (many experts, one token) too."""
+    local, kw, emap, ref, _ = ep_problem(EP_MAPS["round-robin-rank0"], t=11, top_k=top_k, dtype=torch.float16,
+                                         seed=32)
+    cfg = dict(moe_mod.get_config(11, 3, top_k, "cpu"), SPLIT_K=split_k)
+    out = moe_mod.fused_moe_triton(*local, **kw, expert_map=emap, config=cfg)
+    assert_close_to_reference(out, ref, torch.float16, f"top_k {top_k} split {split_k}")
+    big = tuple(-1 if g % 2 else g // 2 for g in range(64))  # 32 of 64 experts here: one token is sort-free
+    local, kw, emap, ref, _ = ep_problem(big, t=1, top_k=4, dtype=torch.float16, seed=33, e_global=64)
+    assert not moe_mod.sorts_pairs(1, 4, 32)
+    assert_close_to_reference(moe_mod.fused_moe_triton(*local, **kw, expert_map=emap), ref, torch.float16,
+                              "sort-free")
+
+
+def test_expert_map_argument_errors():
+    local, kw, emap, _, _ = ep_problem(EP_MAPS["linear-rank1"], t=4, top_k=2, dtype=torch.float16, seed=34)
+    x, w13, w2, s13, s2, tw, ti = local
+    cases = [(emap.float(), ti, "expert_map: expected int32"), (emap[:2], ti, "expert_map: expected int32"),
+             (torch.tensor([0, 1, 2, 3, -1, -1], dtype=torch.int32), ti, r"expert_map: local expert ids \(or -1\)"),
+             (emap, torch.full_like(ti, len(emap)), r"topk_ids: expert ids must lie in \[0, 6\)")]
+    for m, ids, msg in cases:
+        for fn in (fused_moe_int8, moe_reference):
+            with pytest.raises(ValueError, match=msg):
+                fn(x, w13, w2, s13, s2, tw, ids, **kw, expert_map=m)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_zero_tokens(backend):
     args, kwargs = make_problem(t=0, top_k=2)

@@ -99,7 +99,8 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                       f"{layout.vllm_plugin}") if layout.vllm_plugin else None
         return [vllm or Client("vLLM", True, "bash", VLLM_PLUGIN,
                        "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
-                       "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs; stock vLLM without the "
+                       "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs (`EXPQ_VLLM_KERNEL=expq` "
+                       "runs expq's fused-MoE kernel instead); stock vLLM without the "
                        "plugin refuses the checkpoint (unknown quantization method)."),
                 sglang(fmt, layout, hidden_size),
                 Client("transformers", True, "python", TRANSFORMERS_EXPQ,

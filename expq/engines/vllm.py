@@ -13,7 +13,8 @@ What ``register()`` does (vLLM 0.24-0.33; ``vllm_compat`` checks the vLLM it run
    int8 [E_local, H, I_r], ``w13_scale`` fp32 [E_local, 2*I_r], ``w2_scale`` fp32 [E_local, H], plus
    ``w13_bias`` / ``w2_bias`` in the model dtype where the layer has biases, loaded by the model's own loader), and
    whose ``process_weights_after_loading`` quantizes nothing: it checks that every piece arrived and sets up the
-   same int8_w8a16 Triton modular kernel as the online method;
+   same int8_w8a16 Triton modular kernel as the online method (with ``EXPQ_VLLM_KERNEL=expq``, ``apply`` runs
+   expq's fused-MoE kernel instead where it can serve the layer: ``expq.engines.vllm_kernel``);
 2. wraps ``DefaultModelLoader.get_all_weights``: for a model served with ``quantization == "expq_experts_int8"``,
    each tensor the checkpoint's format classifies as a routed-expert piece is loaded straight into its layer
    (``expq.engines.moe_loading``: tensor and expert parallelism, interleaved w13 rows for ``swigluoai``), markers
@@ -281,6 +282,7 @@ def _method_class(api: SimpleNamespace) -> type:
         ``process_weights_after_loading`` checks that they were filled and sets up the kernel, nothing else."""
 
         uses_meta_device = False
+        expq_experts = None  # vllm_kernel.ExpqExperts, set after loading where expq's kernel serves the layer
 
         def __init__(self, *, layer: torch.nn.Module):
             # vLLM 0.24-0.29: __init__(*, layer); 0.30-0.33: __init__(*, moe: FusedMoEConfig) (vllm_compat)
@@ -330,7 +332,15 @@ def _method_class(api: SimpleNamespace) -> type:
                                   f"loaded: {why}", hint=hint)
             self.loader.check_complete()
             self._setup_kernel(layer)
+            from . import vllm_kernel  # EXPQ_VLLM_KERNEL: expq's kernel or vLLM's for this layer
+
+            self.expq_experts = vllm_kernel.setup(self, layer)
             layer._already_called_process_weights_after_loading = True
+
+        def apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):
+            if self.expq_experts is None:
+                return super().apply(layer, x, topk_weights, topk_ids, *args, **kwargs)
+            return self.expq_experts(layer, x, topk_weights, topk_ids)
 
     return ExpqInt8MoEMethod
 

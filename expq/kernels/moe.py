@@ -7,7 +7,9 @@ Inputs are exactly vLLM's ``experts_int8`` layout (``vllm/model_executor/layers/
   (up_proj, w3), one output channel per row; ``w2`` int8 [E, H, I] (down_proj);
 * ``w13_scale`` fp32 [E, 2I], ``w2_scale`` fp32 [E, H]: one scale per output row, dequantized weight = code * scale;
 * ``topk_weights`` [T, top_k] float, ``topk_ids`` [T, top_k] int32 / int64;
-* optional biases ``w13_bias`` [E, 2I], ``w2_bias`` [E, H] (GPT-OSS), any float dtype.
+* optional biases ``w13_bias`` [E, 2I], ``w2_bias`` [E, H] (GPT-OSS), any float dtype;
+* optional ``expert_map`` int [E_global] (expert parallelism, vLLM's ``expert_map``): ``topk_ids`` are then global
+  ids, mapped to this rank's local experts [0, E), ``-1`` for an expert another rank holds (its pairs add nothing).
 
 The computation is vLLM's ``fused_experts`` with ``use_int8_w8a16=True`` (``fused_moe.py``): sort the T*top_k
 (token, slot) pairs by expert and pad each expert's group to a multiple of BLOCK_SIZE_M (``moe_align_block_size``);
@@ -108,10 +110,11 @@ def select_backend(device, backend: str = "auto") -> str:
 
 
 def _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                  apply_router_weight_on_input, dense=False):
+                  apply_router_weight_on_input, dense=False, expert_map=None):
     """Validate the arguments; return (T, H, E, I, top_k). Raises ValueError naming the bad argument.
 
     ``dense``: w13 / w2 are floating-point weights (``moe_reference_dense``) and there are no scales.
+    ``expert_map``: topk_ids are global ids into it (see ``fused_moe_int8``).
     """
 
     def tensor(name, t):
@@ -172,20 +175,43 @@ def _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, top
         raise ValueError(f"topk_weights: expected a floating-point dtype, got {topk_weights.dtype}")
     if apply_router_weight_on_input and top_k != 1:
         raise ValueError(f"apply_router_weight_on_input: needs top_k == 1 (Llama-4 style), got top_k={top_k}")
+    if expert_map is not None:
+        tensor("expert_map", expert_map)
+        if expert_map.dim() != 1 or expert_map.dtype not in _ID_DTYPES or expert_map.numel() < e_dim:
+            raise ValueError(f"expert_map: expected int32 / int64 [E_global] with E_global >= E = {e_dim}, got "
+                             f"{expert_map.dtype} {tuple(expert_map.shape)}")
     device = hidden_states.device
     named = [("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
-             ("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13_bias", w13_bias), ("w2_bias", w2_bias)]
+             ("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13_bias", w13_bias), ("w2_bias", w2_bias),
+             ("expert_map", expert_map)]
     for name, t in named:
         if t is not None and t.device != device:
             raise ValueError(f"{name}: on {t.device}, but hidden_states is on {device}")
     # Range of expert ids: checked where it costs no device synchronisation (CPU). On CUDA it is not checked: the
     # Triton sort leaves such a pair out, and the token's output is then undefined (the torch backend raises a
     # device-side index error).
-    if device.type == "cpu" and topk_ids.numel() > 0:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= e_dim:
-            raise ValueError(f"topk_ids: expert ids must lie in [0, {e_dim}), got range [{lo}, {hi}]")
+    if device.type == "cpu":
+        n_ids = e_dim if expert_map is None else expert_map.numel()
+        _check_range("topk_ids", topk_ids, 0, n_ids, "expert ids")
+        if expert_map is not None:
+            _check_range("expert_map", expert_map, -1, e_dim, "local expert ids (or -1)")
     return t_dim, h_dim, e_dim, i_dim, top_k
+
+
+def _check_range(name, ids, lo_ok, end, what):
+    """ValueError unless every value of the CPU tensor ``ids`` lies in [lo_ok, end)."""
+    if ids.numel() > 0:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < lo_ok or hi >= end:
+            raise ValueError(f"{name}: {what} must lie in [{lo_ok}, {end}), got range [{lo}, {hi}]")
+
+
+def _local_ids(topk_ids, expert_map):
+    """topk_ids [T, top_k] as this rank's local expert ids: ``expert_map[topk_ids]`` (-1: another rank's expert),
+    one gather on the device (no synchronisation); ``topk_ids`` itself without a map."""
+    if expert_map is None:
+        return topk_ids
+    return torch.index_select(expert_map, 0, topk_ids.reshape(-1)).view(topk_ids.shape)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -228,7 +254,7 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def moe_reference(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
-                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False) -> torch.Tensor:
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, expert_map=None) -> torch.Tensor:
     """The experts_int8 MoE in fp32 from dequantized weights: the yardstick for the other implementations.
 
     Every step is fp32 with no intermediate rounding: weights ``code.float() * scale[:, None]``, the input
@@ -237,6 +263,8 @@ def moe_reference(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, top
 
         h = x_t @ W13_e.T + b13_e                  (x_t multiplied by r first if apply_router_weight_on_input)
         out_t += r * (act(h) @ W2_e.T + b2_e)      (r omitted if apply_router_weight_on_input)
+
+    (with ``expert_map``, e = expert_map[topk_ids[t, k]], and a pair whose e is -1 adds nothing)
 
     Args / shapes: as ``fused_moe_int8``.
 
@@ -249,10 +277,11 @@ def moe_reference(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, top
     Source: vLLM ``fused_experts`` (``fused_moe.py``) with ``use_int8_w8a16``; activations as ``act_and_mul``.
     """
     _, _, _, _, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
-                                      w13_bias, w2_bias, apply_router_weight_on_input)
+                                      w13_bias, w2_bias, apply_router_weight_on_input, expert_map=expert_map)
     return _reference(hidden_states, lambda e: w13[e].float() * w13_scale[e].float()[:, None],
-                      lambda e: w2[e].float() * w2_scale[e].float()[:, None], topk_weights, topk_ids, top_k,
-                      activation, w13_bias, w2_bias, apply_router_weight_on_input)
+                      lambda e: w2[e].float() * w2_scale[e].float()[:, None], topk_weights,
+                      _local_ids(topk_ids, expert_map), top_k, activation, w13_bias, w2_bias,
+                      apply_router_weight_on_input)
 
 
 def moe_reference_dense(hidden_states, w13, w2, topk_weights, topk_ids, *, activation="silu", w13_bias=None,
@@ -277,7 +306,7 @@ def moe_reference_dense(hidden_states, w13, w2, topk_weights, topk_ids, *, activ
 
 def _reference(hidden_states, w13_of, w2_of, topk_weights, topk_ids, top_k, activation, w13_bias, w2_bias,
                apply_router_weight_on_input):
-    """fp32 MoE with per-expert fp32 weights w13_of(e) [2I, H] and w2_of(e) [H, I]."""
+    """fp32 MoE with per-expert fp32 weights w13_of(e) [2I, H] and w2_of(e) [H, I]; pairs of expert -1 add nothing."""
     t_dim, h_dim = hidden_states.shape
     out = torch.zeros(t_dim, h_dim, dtype=torch.float32, device=hidden_states.device)
     if t_dim == 0:
@@ -286,6 +315,8 @@ def _reference(hidden_states, w13_of, w2_of, topk_weights, topk_ids, top_k, acti
     weights = topk_weights.float().reshape(-1)
     flat_ids = topk_ids.reshape(-1).long()
     for e in torch.unique(flat_ids).tolist():
+        if e < 0:
+            continue
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = pairs // top_k
         r = weights[pairs][:, None]
@@ -309,7 +340,7 @@ def _reference(hidden_states, w13_of, w2_of, topk_weights, topk_ids, top_k, acti
 
 
 def fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
-                    w13_bias=None, w2_bias=None, apply_router_weight_on_input=False) -> torch.Tensor:
+                    w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, expert_map=None) -> torch.Tensor:
     """The experts_int8 MoE in plain torch, rounding where the Triton kernels round.
 
     Per expert that has tokens: gather its (token, slot) pairs; ``x @ codes.T`` with fp32 accumulation (the input in
@@ -321,9 +352,10 @@ def fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, t
     """
     t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                                       topk_ids, activation, w13_bias, w2_bias,
-                                                      apply_router_weight_on_input)
-    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
-                            w13_bias, w2_bias, apply_router_weight_on_input, top_k)
+                                                      apply_router_weight_on_input, expert_map=expert_map)
+    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                            _local_ids(topk_ids, expert_map), activation, w13_bias, w2_bias,
+                            apply_router_weight_on_input, top_k)
 
 
 def _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias,
@@ -338,11 +370,11 @@ def _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     if apply_router_weight_on_input:
         # As vLLM's prepare step: the input times the router weight, in the activation dtype (top_k == 1).
         x_all = hidden_states * topk_weights.to(dtype)
-    flat_ids = topk_ids.reshape(-1).long()
+    flat_ids = topk_ids.reshape(-1).long()  # local ids; -1: another rank's expert (sorted first, skipped)
     flat_w = topk_weights.reshape(-1).float()
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=e_dim).tolist()
-    start = 0
+    missing, *counts = torch.bincount(flat_ids + 1, minlength=e_dim + 1).tolist()
+    start = missing
     for e, count in enumerate(counts):
         if count == 0:
             continue
@@ -553,7 +585,8 @@ def gemm2_split_k(config: dict, intermediate_size: int, num_pairs: int, hidden_s
 
 
 def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
-                     w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None) -> torch.Tensor:
+                     w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None,
+                     expert_map=None) -> torch.Tensor:
     """The experts_int8 MoE through the Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     Args / shapes / returns / raises: as ``fused_moe_int8``; ``config`` overrides ``get_config``'s block sizes
@@ -566,7 +599,8 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
     expert, each pair then a block of its own), GEMM1, the activation
     (fused into GEMM1 with FUSE_ACT), GEMM2 (split over K into fp32 partials when SPLIT_K > 1), and
     ``moe_sum_kernel`` (the top-k sum and the split-K reduction, in a fixed order; skipped when top_k == 1 and
-    SPLIT_K == 1).
+    SPLIT_K == 1). With ``expert_map``: one gather first (global to local ids), and GEMM2's output buffer is
+    zero-filled, so that the pairs of other ranks' experts, which no GEMM computes, add 0 to the sum.
     """
     if config is not None:
         from . import tuned as _tuned
@@ -577,13 +611,13 @@ def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, 
             raise ValueError(f"config: {e}") from None
     t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                                       topk_ids, activation, w13_bias, w2_bias,
-                                                      apply_router_weight_on_input)
+                                                      apply_router_weight_on_input, expert_map=expert_map)
     return _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
-                             w13_bias, w2_bias, apply_router_weight_on_input, top_k, config)
+                             w13_bias, w2_bias, apply_router_weight_on_input, top_k, config, expert_map)
 
 
 def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation, w13_bias,
-                      w2_bias, apply_router_weight_on_input, top_k, config):
+                      w2_bias, apply_router_weight_on_input, top_k, config, expert_map=None):
     from . import fused_moe_triton as fk
 
     dtype = hidden_states.dtype
@@ -599,6 +633,8 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     if config is None:
         config = get_config(t_dim, e_dim, top_k, device, hidden_size=h_dim, intermediate_size=i_dim, dtype=dtype)
     num_pairs = t_dim * top_k
+    topk_ids = _local_ids(topk_ids, expert_map)
+    new_out = torch.empty if expert_map is None else torch.zeros  # pairs of other ranks' experts add 0
 
     x = hidden_states.contiguous()
     if apply_router_weight_on_input:
@@ -615,13 +651,12 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     fuse = config["FUSE_ACT"]
     cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
-    out = torch.empty(t_dim, h_dim, dtype=dtype, device=device)
     if split == 1 and top_k == 1:
-        cache3 = out  # GEMM2 writes the result itself
-    elif split == 1:
-        cache3 = torch.empty(num_pairs, h_dim, dtype=dtype, device=device)
+        out = cache3 = new_out(t_dim, h_dim, dtype=dtype, device=device)  # GEMM2 writes the result itself
     else:
-        cache3 = torch.empty(split, num_pairs, h_dim, dtype=torch.float32, device=device)
+        out = torch.empty(t_dim, h_dim, dtype=dtype, device=device)
+        cache3 = (new_out(num_pairs, h_dim, dtype=dtype, device=device) if split == 1 else
+                  new_out(split, num_pairs, h_dim, dtype=torch.float32, device=device))
 
     with _device_guard(device):
         if not sorts_pairs(t_dim, top_k, e_dim):  # decode: no sort, a block per pair
@@ -652,7 +687,8 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
 
 
 def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
-                   w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, backend="auto") -> torch.Tensor:
+                   w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, backend="auto",
+                   expert_map=None) -> torch.Tensor:
     """Routed experts with experts_int8 weights: out[t] = sum_k r[t,k] * (down(act(gate_up(x_t))) + b2).
 
     Args:
@@ -670,14 +706,18 @@ def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, to
         apply_router_weight_on_input: Llama-4 style: multiply each token's input by its router weight (in the
             activation dtype, as vLLM) before the experts and not the output; needs top_k == 1.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``, resolved by ``select_backend``.
+        expert_map: optional int32 / int64 [E_global] (expert parallelism; vLLM's ``expert_map``): ``topk_ids`` are
+            then global ids in [0, E_global), expert_map[g] the local expert in [0, E) holding global expert g, or
+            -1 when another rank holds it: such a pair adds nothing to its token's output (another rank adds it).
 
     Returns:
         [T, H] in hidden_states' dtype.
 
     Raises:
         ValueError: a wrong shape or dtype (the message names the argument), an unknown activation or backend,
-            apply_router_weight_on_input with top_k > 1, tensors on different devices, expert ids out of range
-            (checked on CPU only, where it costs no synchronisation: on CUDA such a token's output is undefined),
+            apply_router_weight_on_input with top_k > 1, tensors on different devices, expert ids (or expert_map
+            values) out of range (checked on CPU only, where it costs no synchronisation: on CUDA such a token's
+            output is undefined),
             backend 'triton' where it cannot run, or bfloat16 through the Triton interpreter (CPU).
 
     The arithmetic is vLLM's ``fused_experts`` with ``use_int8_w8a16=True`` (``fused_moe.py``, the Triton
@@ -688,10 +728,11 @@ def fused_moe_int8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, to
     """
     t_dim, h_dim, e_dim, i_dim, top_k = _check_inputs(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                                       topk_ids, activation, w13_bias, w2_bias,
-                                                      apply_router_weight_on_input)
+                                                      apply_router_weight_on_input, expert_map=expert_map)
     chosen = select_backend(hidden_states.device, backend)
     if chosen == "triton":
         return _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
-                                 w13_bias, w2_bias, apply_router_weight_on_input, top_k, None)
-    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, activation,
-                            w13_bias, w2_bias, apply_router_weight_on_input, top_k)
+                                 w13_bias, w2_bias, apply_router_weight_on_input, top_k, None, expert_map)
+    return _fused_moe_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                            _local_ids(topk_ids, expert_map), activation, w13_bias, w2_bias,
+                            apply_router_weight_on_input, top_k)

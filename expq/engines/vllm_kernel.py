@@ -1,0 +1,193 @@
+"""Which kernel runs the routed experts of a layer that expq's vLLM plugin serves: vLLM's or expq's.
+
+``EXPQ_VLLM_KERNEL`` (read by each process that loads the model, when the weights are in place):
+
+* ``vllm`` (the default): vLLM's own int8 W8A16 Triton fused-MoE kernel, exactly what ``--quantization
+  experts_int8`` runs (identical log-probabilities to online experts_int8);
+* ``expq``: expq's fused-MoE kernel (``expq.kernels``, as ``torch.ops.expq.fused_moe_int8``) on the same int8 codes
+  and fp32 scales. Same arithmetic per element (int8 tile converted to the activation dtype, fp32 accumulation,
+  per-row scale after the K loop); the top-k sum is fp32 and block sizes differ, so outputs may differ from vLLM's
+  kernel in the last bits.
+
+Any other value stops the model load with one line naming the variable and its values.
+
+The seam, the same in vLLM 0.24 to 0.33: vLLM's MoE runner calls the quantization method's ``apply(layer=, x=,
+topk_weights=, topk_ids=, shared_experts=, shared_experts_input=)`` inside its opaque ``vllm::moe_forward`` op (so
+torch.compile never traces it, and CUDA graphs capture whatever it launches), after the router; ``topk_ids`` are
+global expert ids, and ``layer.expert_map`` (global -> local, -1 elsewhere; None without expert parallelism) is what
+vLLM's own Triton path applies to them in ``moe_align_block_size``. vLLM's int8 kernel there is a modular kernel
+(``FusedMoEKernel``) of ``MoEPrepareAndFinalizeNoDPEPModular`` (the input times the router weight when the router
+weight goes on the input, nothing else) and ``TritonExperts`` (GEMM1, activation, GEMM2 with the router weight, top-k
+sum). ``ExpqExperts`` replaces exactly that pair, so it serves a layer only where vLLM set up that pair; anything
+else (an all-to-all prepare/finalize of data + expert parallelism, shared experts run inside the kernel, an
+activation or clamp expq's kernel lacks, weights vLLM re-laid for another backend, LoRA) keeps vLLM's kernel, with
+one log line per reason.
+
+GPT-OSS's ``swigluoai``: vLLM keeps w13's gate and up rows interleaved (its activation reads even/odd columns);
+expq's kernel reads gate rows then up rows, so a layer that expq serves has w13, its scales and its bias re-laid
+once at load (a permutation of rows: the codes and scales are unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+import torch
+
+from ..errors import ExpqError
+
+ENV = "EXPQ_VLLM_KERNEL"
+KERNELS = ("expq", "vllm")
+DEFAULT = "vllm"
+"""The kernel without ``EXPQ_VLLM_KERNEL``. It becomes ``"expq"`` once bench/serve.py measures expq's kernel at least
+as fast as vLLM's at every point (docs/benchmarks.md)."""
+
+ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
+"""vLLM ``MoEActivation`` value -> expq activation (``expq.kernels.ACTIVATIONS``); other activations keep vLLM's
+kernel. ``swigluoai`` has GPT-OSS's alpha 1.702 and clamp 7.0 in both (vLLM's ``swigluoai_and_mul`` defaults)."""
+
+INTERLEAVED = frozenset({"swigluoai"})
+"""Activations for which vLLM's layer holds w13's gate and up rows interleaved (``Partition.interleaved``)."""
+
+_PREPARE_FINALIZE = "MoEPrepareAndFinalizeNoDPEPModular"
+_CLAMPS = ("gemm1_clamp_limit", "gemm1_alpha", "gemm1_beta")
+_LOG = logging.getLogger("expq.vllm")
+_LOGGED: set[str] = set()
+
+
+def kernel_choice(environ: Mapping[str, str] | None = None) -> str:
+    """``EXPQ_VLLM_KERNEL`` of ``environ`` (default ``os.environ``), lower-cased: ``"expq"`` or ``"vllm"``;
+    ``DEFAULT`` when unset or empty.
+
+    Raises:
+        ExpqError: any other value (one line naming the variable, the value and the accepted values).
+    """
+    raw = (os.environ if environ is None else environ).get(ENV, "")
+    value = raw.strip().lower() or DEFAULT
+    if value not in KERNELS:
+        raise ExpqError(f"{ENV}={raw!r}: expected one of {', '.join(KERNELS)} (default {DEFAULT})",
+                        hint=f"unset {ENV} or set it to expq or vllm")
+    return value
+
+
+class ExpqExperts:
+    """expq's kernel for one vLLM MoE layer: ``experts(layer, x, topk_weights, topk_ids)`` -> [T, H].
+
+    Reads the layer's ``w13_weight`` int8 [E_local, 2I, H] (gate rows then up rows), ``w2_weight`` int8
+    [E_local, H, I], ``w13_scale`` fp32 [E_local, 2I], ``w2_scale`` fp32 [E_local, H], ``expert_map`` and
+    ``apply_router_weight_on_input`` at each call; holds the biases in fp32 (converted once) and the activation."""
+
+    def __init__(self, activation: str, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None):
+        from ..kernels.custom_op import fused_moe_int8_op  # registers torch.ops.expq.fused_moe_int8
+
+        self.op = fused_moe_int8_op
+        self.activation = activation
+        self.w13_bias = None if w13_bias is None else w13_bias.detach().float().contiguous()
+        self.w2_bias = None if w2_bias is None else w2_bias.detach().float().contiguous()
+
+    def __call__(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.op(x, layer.w13_weight, layer.w2_weight, layer.w13_scale, layer.w2_scale, topk_weights,
+                       topk_ids, self.w13_bias, self.w2_bias, getattr(layer, "expert_map", None), self.activation,
+                       bool(getattr(layer, "apply_router_weight_on_input", False)), "triton")
+
+
+def setup(method, layer: torch.nn.Module, environ: Mapping[str, str] | None = None) -> ExpqExperts | None:
+    """After vLLM's kernel is set up for ``layer`` (``method._setup_kernel``): expq's kernel for it when
+    ``EXPQ_VLLM_KERNEL`` asks for it and it can serve the layer (``why_not``), else None (vLLM's kernel; one
+    warning per reason and process). Re-lays an interleaved w13 (``INTERLEAVED``) to gate-then-up rows in place.
+
+    Raises:
+        ExpqError: ``EXPQ_VLLM_KERNEL`` has an unknown value.
+    """
+    if kernel_choice(environ) != "expq":
+        return None
+    reason = why_not(method, layer)
+    name = getattr(layer, "layer_name", None) or "a MoE layer"
+    if reason is not None:
+        _log_once(reason, f"expq's kernel cannot serve {name} (nor any layer like it): {reason}; vLLM's int8 "
+                          f"kernel runs it")
+        return None
+    activation = _activation(layer)
+    if activation in INTERLEAVED:
+        deinterleave_w13(layer)
+    _log_once("served", f"{ENV}=expq: the routed experts run expq's fused-MoE kernel ({name} and the others)")
+    return ExpqExperts(activation, getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None))
+
+
+def why_not(method, layer: torch.nn.Module) -> str | None:
+    """Why expq's kernel cannot take the place of vLLM's for ``layer`` (one phrase), or None when it can."""
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is None or getattr(method, "is_monolithic", False):
+        return "vLLM set up no modular kernel for it"
+    prepare = type(getattr(kernel, "prepare_finalize", None)).__name__
+    if prepare != _PREPARE_FINALIZE:
+        return f"vLLM moves its tokens with {prepare} (data/expert-parallel all-to-all), not {_PREPARE_FINALIZE}"
+    if getattr(kernel, "can_overlap_shared_experts", False):
+        return "vLLM runs shared experts inside the MoE kernel"
+    if _activation(layer) not in ACTIVATIONS:
+        return f"activation {_activation(layer)!r} is not one of expq's ({', '.join(ACTIVATIONS)})"
+    quant = getattr(method, "moe_quant_config", None)
+    clamps = [k for k in _CLAMPS if getattr(quant, k, None) is not None]
+    if clamps:
+        return f"vLLM's quant config sets {', '.join(clamps)}"
+    if _lora_enabled():
+        return "LoRA is enabled (vLLM's MoE LoRA wraps its own kernel)"
+    return _layout_problem(layer)
+
+
+def _layout_problem(layer: torch.nn.Module) -> str | None:
+    """Why the layer's tensors are not what expq's kernel reads, or None."""
+    try:
+        w13, w2, s13, s2 = layer.w13_weight, layer.w2_weight, layer.w13_scale, layer.w2_scale
+    except AttributeError as e:
+        return f"the layer lacks a tensor ({e})"
+    from ..kernels import select_backend
+
+    try:
+        select_backend(w13.device, "triton")  # CUDA (or CPU under TRITON_INTERPRET=1: tests)
+    except ValueError:
+        return f"its weights are on {w13.device.type}, where expq's Triton kernel does not run"
+    E, I2, H = w13.shape if w13.dim() == 3 else (0, 0, 0)
+    want = {"w13_weight": (w13, torch.int8, (E, I2, H)), "w2_weight": (w2, torch.int8, (E, H, I2 // 2)),
+            "w13_scale": (s13, torch.float32, (E, I2)), "w2_scale": (s2, torch.float32, (E, H))}
+    for name, (t, dtype, shape) in want.items():
+        if w13.dim() != 3 or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            return (f"{name} is {t.dtype} {list(t.shape)}, not the contiguous {dtype} {list(shape)} expq's kernel "
+                    f"reads (vLLM re-laid it for another backend?)")
+    emap = getattr(layer, "expert_map", None)
+    if emap is not None and emap.numel() != getattr(layer, "global_num_experts", emap.numel()):
+        return f"its expert map has {emap.numel()} entries for {layer.global_num_experts} experts"
+    return None
+
+
+def _activation(layer: torch.nn.Module) -> str:
+    act = getattr(layer, "activation", "silu")
+    return str(getattr(act, "value", act))
+
+
+def _lora_enabled() -> bool:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return getattr(get_current_vllm_config(), "lora_config", None) is not None
+    except Exception:  # noqa: BLE001 - no vLLM config in context: no LoRA known
+        return False
+
+
+def deinterleave_w13(layer: torch.nn.Module) -> None:
+    """w13 (codes, scales, bias) rows from interleaved (gate 0, up 0, gate 1, ...) to gate rows then up rows, in
+    place: row order only, every value kept."""
+    with torch.no_grad():
+        for name in ("w13_weight", "w13_scale", "w13_bias"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                t.copy_(torch.cat([t[:, 0::2], t[:, 1::2]], dim=1))
+
+
+def _log_once(key: str, message: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        (_LOG.info if key == "served" else _LOG.warning)(message)

@@ -1,0 +1,95 @@
+"""EXPQ_VLLM_KERNEL inside the real vLLM (the version of this virtualenv; CPU, Triton's interpreter): vLLM's own MoE
+layers built with an experts-int8 checkpoint's quantization config and filled by the plugin's loader; after
+``process_weights_after_loading`` the method's ``apply`` (called as vLLM's runner calls it) runs expq's kernel,
+whose output matches the fp32 reference on the checkpoint's experts (gpt_oss: swigluoai, w13 rows re-laid from
+vLLM's interleaved order); unset, the layer keeps vLLM's kernel. Needs the harness of tests/vllm_real (skipped
+where vLLM or the harness is missing)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+h = pytest.importorskip("vllm_harness")
+
+from helpers import converted_factory  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from expq.checkpoint import ConvertedCheckpoint  # noqa: E402
+from expq.engines import vllm as plugin  # noqa: E402
+from expq.engines import vllm_kernel  # noqa: E402
+from expq.kernels import moe_reference  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return converted_factory(tmp_path_factory, "vllm-real-kernel", format="experts-int8")
+
+
+def loaded_layers(out, tag):
+    """vLLM MoE layers (fp16: the interpreter's bf16 is wrong) for every MoE layer of ``out``, filled by the
+    plugin's routing and processed (``tag``: a unique part of their names: vLLM refuses a layer name twice)."""
+    config = json.loads((out / "config.json").read_text())
+    qc = h.quant_config_of(out)
+    ck = ConvertedCheckpoint(out)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList()
+    layers = {}
+    for L in range(max(ck.moe_layers) + 1):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        if L in ck.moe_layers:
+            block.mlp.experts = h.moe_layer(config, qc, f"{out.parent.name}.{tag}.model.layers.{L}.mlp.experts",
+                                            params_dtype=torch.float16)
+            layers[L] = block.mlp.experts
+        root.model.layers.append(block)
+
+    def stream():
+        for f in sorted(out.glob("*.safetensors")):
+            with safe_open(f, "pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+
+    list(plugin.routed_weights(stream(), SimpleNamespace(model=str(out), dtype=torch.float16, revision=None), root))
+    for layer in layers.values():
+        with h.gpu(90):
+            layer.quant_method.process_weights_after_loading(layer)
+    return layers, ck, config
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_expq_kernel_in_vllms_layer(family, converted, vllm_started, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(vllm_kernel.ENV, "expq")
+    _, out = converted(family)
+    layers, ck, config = loaded_layers(out, "expq")
+    for L, layer in layers.items():
+        method = layer.quant_method
+        assert type(method.moe_kernel.prepare_finalize).__name__ == "MoEPrepareAndFinalizeNoDPEPModular"
+        assert vllm_kernel.why_not(method, layer) is None and method.expq_experts is not None
+        lx = ck.layer_experts(L)
+        assert torch.equal(layer.w13_weight, lx.w13) and torch.equal(layer.w13_scale, lx.w13_scale)
+        g = torch.Generator().manual_seed(L)
+        x = torch.randn(7, lx.w13.shape[2], generator=g).half()
+        tw, ti = torch.topk(torch.randn(7, lx.w13.shape[0], generator=g).softmax(-1), config["num_experts_per_tok"])
+        ti = ti.to(torch.int32)
+        got = method.apply(layer=layer, x=x, topk_weights=tw, topk_ids=ti, shared_experts=None,
+                           shared_experts_input=None)
+        bias = {k: getattr(layer, k) for k in ("w13_bias", "w2_bias") if getattr(layer, k, None) is not None}
+        ref = moe_reference(x, lx.w13, lx.w2, lx.w13_scale, lx.w2_scale, tw, ti,
+                            activation=layer.activation.value, **bias)
+        rel = ((got.float() - ref).norm() / ref.norm()).item()
+        assert got.dtype == torch.float16 and rel < 8 * 2.0**-11, (L, rel)
+
+
+def test_default_keeps_vllms_kernel(converted, vllm_started, monkeypatch):
+    monkeypatch.delenv(vllm_kernel.ENV, raising=False)
+    _, out = converted("mixtral")
+    layers, _, _ = loaded_layers(out, "default")
+    assert all(layer.quant_method.expq_experts is None for layer in layers.values())
