@@ -163,5 +163,5 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
     grep -h "^ran\|Error" "$r"/*.log | tail -6 || true
     python3 "$sc" compare "$r/online.json" "$r/ct.json" "$r/ei8.json" 2>&1 | tee "$r/compare.txt" ;;
   *)
-    sed -n '2,16p' "$0"; exit 2 ;;
+    sed -n '2,23p' "$0"; exit 2 ;;
 esac
