@@ -112,6 +112,7 @@ def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict) ->
         return rec
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "expq.cli", "convert", str(src), str(out), "--format", fmt,
+                        "--allow-random-experts-in-transformers",  # vLLM is measured here, never stock transformers
                         "--overwrite"], capture_output=True, text=True)
     rec["convert_s"] = round(time.perf_counter() - t, 2)
     if p.returncode != 0:

@@ -26,7 +26,7 @@ from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
-from .errors import ExpqError
+from .errors import ExpqError, cli_options
 from .progress import ProgressLines, interactive, is_tty, quiet_hub_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -70,9 +70,10 @@ def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequ
 def errors_to_exit_codes():
     """The one error handler: an ``ExpqError`` becomes its one line and its exit status; Ctrl-C 130; anything else
     one line and 1 (``EXPQ_DEBUG=1`` re-raises, for the traceback). User text is printed literally, never as
-    markup."""
+    markup. Messages made inside name options as this command line's flags (``errors.cli_options``)."""
     try:
-        yield
+        with cli_options():
+            yield
     except (typer.Exit, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001
@@ -89,6 +90,12 @@ def errors_to_exit_codes():
             line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
         _say(Text(line, style="bold red"), stderr=True)
         raise typer.Exit(code) from None
+
+
+def _warn(warnings: Iterable[str]) -> None:
+    """Warnings a user must not miss: one bold line each on stderr."""
+    for w in warnings:
+        _say(Text(f"WARNING: {w}", style="bold red"), stderr=True)
 
 
 def _human(n: float) -> str:
@@ -129,6 +136,12 @@ def convert(
                                                   help="With --ray: publish to this Hub model repo instead of OUT "
                                                        "(the tasks upload their shards; one commit).")] = None,
     private: Annotated[bool, typer.Option("--private", help="With --to-hub: create the repo private.")] = False,
+    allow_random_experts_in_transformers: Annotated[bool, typer.Option(
+        "--allow-random-experts-in-transformers",
+        help="Write a --format that stock transformers would load with randomly initialised experts for this "
+             "family (compressed-tensors where the family's layout says [clients] transformers = false; inspect "
+             "warns), for a checkpoint only meant for vLLM or expq; refused without this flag. verify and the "
+             "model card say so.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
@@ -140,7 +153,8 @@ def convert(
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
                              max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
                              allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray, to_hub=to_hub,
-                             private=private, on_plan=bar.on_plan, on_progress=bar.on_progress)
+                             private=private, allow_random_experts_in_transformers=allow_random_experts_in_transformers,
+                             on_plan=bar.on_plan, on_progress=bar.on_progress)
     if as_json:
         print(json.dumps(report.to_dict()))
         return
@@ -272,6 +286,7 @@ def inspect(
     if s["skipped_files"]:
         rows.append(("not copied (other weight formats)", ", ".join(s["skipped_files"][:6])))
     _table(f"expq inspect {s['source']}", None, rows)
+    _warn(s["warnings"])
     if tensors:  # on a terminal, long names fold onto the next line rather than being cut
         _table(None, ("tensor", "dtype", "shape", "action"),
                ((Text(row["name"], overflow="fold"), row["dtype"], str(row["shape"]),
@@ -327,6 +342,7 @@ def _print_verify(report) -> None:
          f"{report.tokens} tokens per layer; {report.seconds:.1f} s")
     for p in report.problems[:10]:
         _say(Text("  problem: ", style="red") + Text(p), stderr=True)
+    _warn(report.warnings)
     _say(Text(report.verdict, style="bold green" if report.ok else "bold red"))
 
 
@@ -375,6 +391,7 @@ def push(
     with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
                        commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
+    _warn(res.warnings)
     if as_json:
         print(report_json(res))
         return

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
 from .checkpoint import ConvertedCheckpoint
-from .engines.clients import clients
+from .engines.clients import clients, stock_transformers_misloads
 from .errors import ExpqError, UnreadableInputError, UsageError
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
@@ -43,6 +43,7 @@ class PushReport:
     pr_url: str | None = None
     card: str = ""
     checked_remote: int = 0
+    warnings: list[str] = field(default_factory=list)  # said loudly by the CLI; also at the top of the card
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +106,8 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
         raise UsageError(f"no {MANIFEST} in OUT: not written by expq convert, so there is nothing true to say",
                          file=str(out))
     name = repo_id.split("/")[-1]
-    lines = [f"# {name}", "", _card_intro(m), "", *_card_scheme(ck, m), "", *_card_contents(ck, m), "",
+    lines = [f"# {name}", "", *_card_warning(ck), _card_intro(m), "", *_card_scheme(ck, m), "",
+             *_card_contents(ck, m), "",
              *_card_how_made(ck, m, name), "", *_card_verification(m, verify_report), "",
              *_card_usage(ck, m, repo_id)]
     return str(ModelCard(f"---\n{_card_data(ck, m).to_yaml()}\n---\n\n" + "\n".join(lines)))
@@ -121,6 +123,17 @@ def _card_data(ck: ConvertedCheckpoint, m: Manifest):
     data = ModelCardData(base_model=m.source.repo_id or None, library_name="transformers", tags=tags, **carried)
     data.base_model_relation = "quantized"
     return data
+
+
+def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
+    """What a reader of the card must not miss: stock transformers would load this checkpoint with randomly
+    initialised experts (``engines.clients.stock_transformers_misloads``)."""
+    return [w for w in (stock_transformers_misloads(ck.format, ck.layout),) if w]
+
+
+def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
+    return [f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}. vLLM and "
+            "`expq.load_model` load it right." for w in card_warnings(ck)] + ([""] if card_warnings(ck) else [])
 
 
 def _card_intro(m: Manifest) -> str:
@@ -169,6 +182,8 @@ def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]
     command = m.command or "expq convert SRC OUT"
     if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
         command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" path/to/{shlex.quote(m.source.name)} OUT", 1)
+    if card_warnings(ck):  # the acknowledgement convert asks for before writing such a checkpoint
+        command += " --allow-random-experts-in-transformers"
     return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
             command.replace(" OUT", " " + name, 1), "```", "",
             f"expq {m.expq_version}, output format {ck.format.name}" + (
@@ -284,7 +299,8 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     total = sum(f["size"] for f in files)
     res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
                      verified=None if report is None else report.ok,
-                     verify_verdict=None if report is None else report.verdict, card=card)
+                     verify_verdict=None if report is None else report.verdict, card=card,
+                     warnings=card_warnings(ConvertedCheckpoint(out)))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written
@@ -392,8 +408,7 @@ def compare_remote(api, out: Path, repo_id: str, revision: str | None, res: Push
 
 
 def report_json(res: PushReport) -> str:
-    d = res.to_dict()
-    d.pop("card")
-    return json.dumps(d)
+    """``push --json``: the report as one JSON object, the card included."""
+    return json.dumps(res.to_dict())
 
 

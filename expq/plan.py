@@ -18,7 +18,7 @@ import torch
 from .decoders import LogicalTensor
 from .errors import LayoutError, SourceError
 from .experts import ExpertMap, ExpertTensor, Matrix
-from .engines.clients import clients
+from .engines.clients import clients, stock_transformers_misloads
 from .formats import Format, get_format
 from .layouts import Layout, detect_layout, load_layout, nested_configs
 from .scheme import resolve_compute_dtype
@@ -150,6 +150,7 @@ class Plan:
             "output_shards": len(self.shard_names),
             "targets": self.format.targets(),
             "format_reason": self.format_reason(),
+            "warnings": [w for w in (stock_transformers_misloads(self.format, self.layout),) if w],
             "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note}
                         for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
             "side_files": self.source.side_files,

@@ -27,6 +27,7 @@ import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts
 from .devices import parse_devices
+from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, HubError, UnreadableInputError, UsageError
 from .kernels import select_backend
 from .manifest import PUSH_WRITES
@@ -101,6 +102,9 @@ class VerifyReport:
     problems: list[str]
     seconds: float
     row_error_limit: float = 0.0  # the largest row error (in steps) the scheme can give in this dtype
+    # what a user must know although every check passed: stock transformers would load this checkpoint with random
+    # experts (``engines.clients.stock_transformers_misloads``)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -143,7 +147,9 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         seed: seed of the random activations.
 
     Returns:
-        VerifyReport (``ok`` False when any check fails; problems name layer/expert/tensor; ``exit_code``).
+        VerifyReport (``ok`` False when any check fails; problems name layer/expert/tensor; ``exit_code``;
+        ``warnings``: what passing checks do not say, e.g. that stock transformers would load it with random
+        experts).
 
     Raises:
         UsageError: bad device or tokens. UnreadableInputError: ``out`` (or the source) cannot be read at all.
@@ -285,10 +291,12 @@ def _report(ck: ConvertedCheckpoint, out, source, checks: list[Check], layers: l
     verdict = (f"PASS: {len(layers)} MoE layers x {ck.num_experts} experts ({len(ck.modules)} matrices) verified"
                f"{' bit for bit against ' + str(source) if source else ''}; kernel {backend} on {dev}"
                if ok else f"FAIL: {problems[0] if problems else next(c.detail or c.name for c in checks if not c.ok)}")
+    warnings = [w for w in (stock_transformers_misloads(ck.format, ck.layout),) if w]
     return VerifyReport(out=str(out), source=str(source) if source else None, ok=ok, verdict=verdict,
                         backend=backend, device=str(dev), activation_dtype=str(ck.scale_dtype).removeprefix("torch."),
                         tokens=tokens_used, checks=checks, layers=layers, problems=problems,
-                        seconds=round(seconds, 3), row_error_limit=round(row_error_limit(ck.scale_dtype), 4))
+                        seconds=round(seconds, 3), row_error_limit=round(row_error_limit(ck.scale_dtype), 4),
+                        warnings=warnings)
 
 
 # --- structure -----------------------------------------------------------------------------------------------------

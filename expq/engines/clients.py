@@ -89,3 +89,19 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
                     "(it would leave them randomly initialised); use `--format experts-int8` or expq.load_model")
     return [vllm, tf, expq]
+
+
+def stock_transformers_misloads(fmt, layout: Layout) -> str:
+    """Why stock transformers (without expq) would load a checkpoint of ``layout``'s family in format ``fmt`` with
+    randomly initialised routed experts, or ``""`` when it would not (it loads them right, or refuses the format).
+
+    Args:
+        fmt: a ``formats.Format`` (or its class): whether stock transformers reads the format at all.
+        layout: the family; its ``[clients] transformers`` says whether stock transformers maps the format's
+            per-expert tensors onto the family's experts.
+    """
+    if not fmt.stock_transformers_loads or layout.stock_transformers:
+        return ""
+    return (f"stock transformers loads {fmt.name} checkpoints of the {layout.name} family with randomly initialised "
+            "routed experts, without an error (it has no conversion from per-expert quantized tensors to this "
+            "family's stacked experts: the layout's [clients] transformers = false)")
