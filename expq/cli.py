@@ -381,6 +381,12 @@ def push(
                                                  show_default=False)] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Push without verifying first.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the files and the model card; no network.")] = False,
+    install: Annotated[Optional[str], typer.Option(
+        "--install", metavar="COMMAND",
+        help="The command the card gives to install expq, e.g. "
+             "'pip install \"expq @ git+https://HOST/ORG/expq@COMMIT\"' (default: $EXPQ_INSTALL, else derived from how "
+             "this expq was installed; a warning when unknown).",
+        show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
@@ -390,7 +396,8 @@ def push(
     quiet_hub_bars()
     with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
-                       commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
+                       commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run,
+                       install=install)
     _warn(res.warnings)
     if as_json:
         print(report_json(res))

@@ -16,7 +16,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import ConvertedCheckpoint
 from .engines.clients import clients, stock_transformers_misloads
-from .errors import ExpqError, UnreadableInputError, UsageError
+from .errors import ExpqError, UnreadableInputError, UsageError, option
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
 
@@ -79,6 +79,79 @@ def _git_blob_sha1(p: Path) -> str:
     return git_hash(p.read_bytes())
 
 
+INSTALL_ENV = "EXPQ_INSTALL"  # the card's install command, when push is not given one
+
+
+@dataclass(frozen=True)
+class Install:
+    """The command a reader of the card runs to install expq (it is on no package index), and whether it is known
+    to work (``why`` says how it was found, or why it is a placeholder)."""
+
+    command: str
+    runnable: bool
+    why: str
+
+
+def install_line(install: str | None = None) -> Install:
+    """How the card tells its readers to install expq: ``install`` if given, else ``$EXPQ_INSTALL``, else a
+    ``pip install "expq @ git+URL@COMMIT"`` line derived from how this expq was installed (pip's
+    ``direct_url.json`` of a git or archive install; for a checkout, its git remote and a commit that remote holds),
+    else a placeholder with this version's commit that a push warns about."""
+    import os
+
+    given = install or os.environ.get(INSTALL_ENV, "").strip()
+    if given:
+        return Install(given, True, "given" if install else f"from ${INSTALL_ENV}")
+    url, commit = _installed_from()
+    if url:
+        return Install(f'pip install "expq @ {url}"', True, "from where this expq was installed")
+    ref = commit[:12] if commit else f"v{__version__}"
+    return Install(f'pip install "expq @ git+https://<the expq repository>@{ref}"', False,
+                   "expq is on no package index, and this expq was installed from a directory without a public git "
+                   f"remote holding its commit: pass the install command ({option('install', '...')} or "
+                   f"${INSTALL_ENV})")
+
+
+def _installed_from() -> tuple[str | None, str | None]:
+    """(a pip requirement URL this expq can be installed from by anyone, or None; the git commit of this expq if
+    known)."""
+    from importlib import metadata
+
+    info = next((json.loads(t) for d in metadata.distributions(name="expq")
+                 if (t := d.read_text("direct_url.json"))), {})
+    url = info.get("url", "")
+    vcs = info.get("vcs_info") or {}
+    if vcs.get("vcs") == "git" and vcs.get("commit_id") and not url.startswith("file:"):
+        return f"git+{url}@{vcs['commit_id']}", vcs["commit_id"]
+    if "archive_info" in info and url.startswith(("http://", "https://")):
+        return url, None
+    return _checkout_remote(Path(__file__).resolve().parent.parent)
+
+
+def _checkout_remote(root: Path) -> tuple[str | None, str | None]:
+    """For a git checkout at ``root``: (``git+URL@COMMIT`` when a non-local remote holds HEAD, else None; HEAD)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None, None
+    for remote in git("remote").split():
+        url = git("remote", "get-url", remote)
+        if url.startswith("git@") and ":" in url:  # scp-like syntax: pip wants ssh://
+            url = "ssh://" + url.replace(":", "/", 1)
+        if url.startswith(("https://", "http://", "ssh://")) and git("branch", "-r", "--contains", head,
+                                                                     "--list", f"{remote}/*"):
+            return f"git+{url}@{head}", head
+    return None, head
+
+
 def _human(n: float) -> str:
     """Decimal sizes, as the Hub shows them (rich's own formatter)."""
     from rich.filesize import decimal
@@ -86,13 +159,14 @@ def _human(n: float) -> str:
     return decimal(int(n), precision=2)
 
 
-def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
+def model_card(out: str | Path, repo_id: str, verify_report=None, *, install: str | None = None) -> str:
     """The model card (README.md text) for a converted checkpoint, from what ``convert`` recorded in ``expq.json``.
 
     The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo; its revision is in
     the body), ``base_model_relation: quantized``, ``library_name``, the tags, and the source card's licence and other
     metadata. The body: the scheme in words, what was quantized and what was kept, how it was made, the verify
-    results, how to serve it.
+    results, how to serve it. ``install``: the command that installs expq for the card's readers (see
+    ``install_line``).
 
     Raises:
         UsageError: OUT has no expq.json. SourceError: OUT is not a converted checkpoint, or its expq.json is not
@@ -106,10 +180,11 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
         raise UsageError(f"no {MANIFEST} in OUT: not written by expq convert, so there is nothing true to say",
                          file=str(out))
     name = repo_id.split("/")[-1]
+    how = install_line(install)
     lines = [f"# {name}", "", *_card_warning(ck), _card_intro(m), "", *_card_scheme(ck, m), "",
              *_card_contents(ck, m), "",
-             *_card_how_made(ck, m, name), "", *_card_verification(m, verify_report), "",
-             *_card_usage(ck, m, repo_id)]
+             *_card_how_made(ck, m, name, how), "", *_card_verification(m, verify_report), "",
+             *_card_usage(ck, m, repo_id, how)]
     return str(ModelCard(f"---\n{_card_data(ck, m).to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
@@ -178,14 +253,13 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
             f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
 
 
-def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]:
+def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
     command = m.command or "expq convert SRC OUT"
     if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
         command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" path/to/{shlex.quote(m.source.name)} OUT", 1)
     if card_warnings(ck):  # the acknowledgement convert asks for before writing such a checkpoint
         command += " --allow-random-experts-in-transformers"
-    return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
-            command.replace(" OUT", " " + name, 1), "```", "",
+    return ["## How it was made", "", "```bash", how.command, command.replace(" OUT", " " + name, 1), "```", "",
             f"expq {m.expq_version}, output format {ck.format.name}" + (
                 f" (compressed-tensors config version {ck.quantization_config['version']})."
                 if "version" in ck.quantization_config else ".")]
@@ -205,15 +279,18 @@ def _card_verification(m: Manifest, report) -> list[str]:
     return lines
 
 
-def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]:
-    """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``)."""
+def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str, how: Install) -> list[str]:
+    """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``); first,
+    how to install expq, which the commands that import it need."""
     lay = ck.layout
     lines = ["## How to use it", "", f"Format: **{ck.format.name}**" + (
-        f" ({lay.format_reason})." if ck.format.name == lay.default_format and lay.format_reason else ".")]
+        f" ({lay.format_reason})." if ck.format.name == lay.default_format and lay.format_reason else "."), "",
+        "expq is not on a package index; where a command below uses it, install it first:", "", "```bash",
+        how.command, "```"]
     for c in clients(ck.format.name, lay, m.plan.hidden_size):
         lines += ["", f"### {c.engine}", ""]
         if c.loads:
-            lines += [f"```{c.language}", c.for_model(repo_id), "```"] + (["", c.note] if c.note else [])
+            lines += [f"```{c.language}", c.for_model(repo_id, how.command), "```"] + (["", c.note] if c.note else [])
         else:
             lines.append((c.note if c.note[:1].isupper() or c.note.startswith("vLLM") else
                           c.note[0].upper() + c.note[1:]) + ".")
@@ -238,6 +315,12 @@ def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
     return ", ".join(parts)
 
 
+def _publishing_warnings(install: str | None) -> list[str]:
+    """What the card cannot say truly: where to install expq from."""
+    how = install_line(install)
+    return [] if how.runnable else [f"the card's install line is a placeholder ({how.command}): {how.why}"]
+
+
 def hub_token(token: str | None) -> str:
     from huggingface_hub import get_token
 
@@ -253,7 +336,8 @@ def _scrub(msg: str, token: str | None) -> str:
 
 def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          create_pr: bool = False, commit_message: str | None = None, token: str | None = None,
-         skip_verify: bool = False, dry_run: bool = False, device: str = "auto") -> PushReport:
+         skip_verify: bool = False, dry_run: bool = False, device: str = "auto",
+         install: str | None = None) -> PushReport:
     """Publish a converted checkpoint to the Hub.
 
     Args:
@@ -266,6 +350,9 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         skip_verify: push even if ``verify`` fails (or without running it).
         dry_run: print what would be uploaded and the card; no network, nothing written.
         device: where the verification's kernel check runs (``auto``, ``cpu``, ``cuda``...).
+        install: the command the card gives its readers to install expq (default ``$EXPQ_INSTALL``, else derived
+            from how this expq was installed; see ``install_line``). When none is known to work, the card holds a
+            placeholder and the report's ``warnings`` say so.
 
     Returns:
         PushReport.
@@ -292,7 +379,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         if not report.ok:
             raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
                             hint="fix the checkpoint, or pass --skip-verify")
-    card = model_card(out, repo_id, report)
+    card = model_card(out, repo_id, report, install=install)
     files = local_files(out)
     if not any(f["path"] == "README.md" for f in files):
         files.append({"path": "README.md", "size": len(card.encode()), "sha256": ""})
@@ -300,7 +387,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
                      verified=None if report is None else report.ok,
                      verify_verdict=None if report is None else report.verdict, card=card,
-                     warnings=card_warnings(ConvertedCheckpoint(out)))
+                     warnings=card_warnings(ConvertedCheckpoint(out)) + _publishing_warnings(install))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written

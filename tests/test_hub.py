@@ -186,8 +186,8 @@ def test_dry_run_touches_no_network(hub_server, converted, monkeypatch):
     assert code == 0, text
     assert "model-00001-of-" in text and "base_model: org/tiny-mixtral" in text and "expq.load_model" in text
     assert tree_digest(converted) == before  # nothing written either
-    code, text = run("push", converted, "me/dry", "--dry-run", "--json")
-    rep = json.loads(text)
+    r = CliRunner().invoke(app, ["push", str(converted), "me/dry", "--dry-run", "--json"])
+    rep = json.loads(r.stdout)  # stdout is the JSON alone (warnings go to stderr)
     assert rep["dry_run"] and rep["verified"] and any(f["path"] == "README.md" for f in rep["files"])
 
 

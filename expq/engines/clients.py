@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from ..layouts import Layout, shared_facts
 
 
+# Installing expq where a command needs it: here, in the environment that has expq (pip takes the installed expq and
+# adds the extra's vLLM); the model card replaces it by the line its readers can run (hub.install_line).
+INSTALL_HERE = 'pip install "expq[vllm]"'
+
+
 @dataclass(frozen=True)
 class Client:
     """One engine's answer. ``language`` is ``bash`` or ``python`` (the command's code-block language); ``command``
@@ -24,9 +29,13 @@ class Client:
     command: str | None
     note: str = ""
 
-    def for_model(self, model: str) -> str | None:
-        """The command with ``{model}`` filled in."""
-        return None if self.command is None else self.command.replace("{model}", model)
+    def for_model(self, model: str, install: str = INSTALL_HERE) -> str | None:
+        """The command with ``{model}`` filled in, and ``{install}`` (installing expq, where the command needs it)
+        by ``install``: by default the line for an environment that already has expq (the model card passes the
+        line its readers run)."""
+        if self.command is None:
+            return None
+        return self.command.replace("{model}", model).replace("{install}", install)
 
     def one_line(self, model: str) -> str | None:
         """The command on one line, comments dropped (``&&`` between shell commands, ``;`` between statements)."""
@@ -36,7 +45,7 @@ class Client:
         return (" && " if self.language == "bash" else "; ").join(ln for ln in lines if ln)
 
 
-VLLM_PLUGIN = 'pip install "expq[vllm]"  # expq\'s vLLM plugin (an entry point vLLM loads by itself)\nvllm serve {model}'
+VLLM_PLUGIN = '{install}  # expq\'s vLLM plugin (an entry point vLLM loads by itself)\nvllm serve {model}'
 TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
                      'from transformers import AutoModelForCausalLM\n'
                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
