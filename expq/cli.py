@@ -387,6 +387,12 @@ def push(
              "'pip install \"expq @ git+https://HOST/ORG/expq@COMMIT\"' (default: $EXPQ_INSTALL, else derived from how "
              "this expq was installed; a warning when unknown).",
         show_default=False)] = None,
+    base_model: Annotated[Optional[str], typer.Option(
+        "--base-model", metavar="REPO_ID", help="The card's base_model: the source's Hub repo id, for a checkpoint "
+        "converted from a local directory (default: the repo convert recorded).", show_default=False)] = None,
+    license: Annotated[Optional[str], typer.Option(
+        "--license", metavar="ID", help="The card's licence, a Hub licence id such as apache-2.0 (default: the "
+        "source card's).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
@@ -397,7 +403,7 @@ def push(
     with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
                        commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run,
-                       install=install)
+                       install=install, base_model=base_model, license=license)
     _warn(res.warnings)
     if as_json:
         print(report_json(res))

@@ -159,14 +159,34 @@ def _human(n: float) -> str:
     return decimal(int(n), precision=2)
 
 
-def model_card(out: str | Path, repo_id: str, verify_report=None, *, install: str | None = None) -> str:
+@dataclass(frozen=True)
+class Origin:
+    """Where a converted checkpoint came from, as its card says: the base model's repo id (None when unknown), the
+    source revision or commit, the licence (None when unknown)."""
+
+    base_model: str | None
+    revision: str | None
+    license: str | None
+
+
+def card_origin(m: Manifest, *, base_model: str | None = None, license: str | None = None) -> Origin:
+    """The card's base model and licence: the ones given, else those ``expq.json`` recorded (the source's repo id;
+    the source card's licence). The revision is the source commit (a Hub snapshot's, or the one a
+    ``hf download --local-dir`` copy records) or the revision asked for."""
+    return Origin(base_model or m.source.repo_id, m.source.commit or m.source.revision,
+                  license or m.source_card.get("license"))
+
+
+def model_card(out: str | Path, repo_id: str, verify_report=None, *, install: str | None = None,
+               base_model: str | None = None, license: str | None = None) -> str:
     """The model card (README.md text) for a converted checkpoint, from what ``convert`` recorded in ``expq.json``.
 
-    The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo; its revision is in
-    the body), ``base_model_relation: quantized``, ``library_name``, the tags, and the source card's licence and other
-    metadata. The body: the scheme in words, what was quantized and what was kept, how it was made, the verify
-    results, how to serve it. ``install``: the command that installs expq for the card's readers (see
-    ``install_line``).
+    The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo, or ``base_model``;
+    its revision is in the body), ``base_model_relation: quantized``, ``library_name`` (``transformers`` where stock
+    transformers loads it right, else ``expq``), the tags, the licence (``license``, else the source card's) and the
+    source card's other metadata. The body: the scheme in words, what was quantized and what was kept, how it was
+    made, the verify results, how to serve it. ``install``: the command that installs expq for the card's readers
+    (see ``install_line``).
 
     Raises:
         UsageError: OUT has no expq.json. SourceError: OUT is not a converted checkpoint, or its expq.json is not
@@ -181,23 +201,33 @@ def model_card(out: str | Path, repo_id: str, verify_report=None, *, install: st
                          file=str(out))
     name = repo_id.split("/")[-1]
     how = install_line(install)
-    lines = [f"# {name}", "", *_card_warning(ck), _card_intro(m), "", *_card_scheme(ck, m), "",
+    origin = card_origin(m, base_model=base_model, license=license)
+    lines = [f"# {name}", "", *_card_warning(ck), _card_intro(m, origin), "", *_card_scheme(ck, m), "",
              *_card_contents(ck, m), "",
-             *_card_how_made(ck, m, name, how), "", *_card_verification(m, verify_report), "",
+             *_card_how_made(ck, m, name, how), "", *_card_verification(m, verify_report, origin), "",
              *_card_usage(ck, m, repo_id, how)]
-    return str(ModelCard(f"---\n{_card_data(ck, m).to_yaml()}\n---\n\n" + "\n".join(lines)))
+    return str(ModelCard(f"---\n{_card_data(ck, m, origin).to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _card_data(ck: ConvertedCheckpoint, m: Manifest):
+def _card_data(ck: ConvertedCheckpoint, m: Manifest, origin: Origin):
     from huggingface_hub import ModelCardData
 
     carried = {k: v for k, v in m.source_card.items()
                if k not in ("base_model", "base_model_relation", "tags", "library_name", "model-index",
-                            "quantized_by")}
+                            "quantized_by", "license")}
     tags = list(dict.fromkeys([*(m.source_card.get("tags") or []), *TAGS, ck.format.name]))
-    data = ModelCardData(base_model=m.source.repo_id or None, library_name="transformers", tags=tags, **carried)
+    data = ModelCardData(base_model=origin.base_model, library_name=library_name(ck), tags=tags,
+                         license=origin.license, **carried)
     data.base_model_relation = "quantized"
     return data
+
+
+def library_name(ck: ConvertedCheckpoint) -> str:
+    """The card's ``library_name``: ``transformers`` where stock transformers loads the checkpoint with the right
+    experts, else ``expq`` (stock transformers refuses experts-int8, and would run random experts for a family whose
+    layout says ``[clients] transformers = false``)."""
+    right = ck.format.stock_transformers_loads and not stock_transformers_misloads(ck.format, ck.layout)
+    return "transformers" if right else "expq"
 
 
 def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
@@ -211,19 +241,20 @@ def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
             "`expq.load_model` load it right." for w in card_warnings(ck)] + ([""] if card_warnings(ck) else [])
 
 
-def _card_intro(m: Manifest) -> str:
+def _card_intro(m: Manifest, origin: Origin) -> str:
     src, dec = m.source, m.decoded
     decoded = "" if dec is None else (
         f" The source is published as {dec.source_format}; expq decoded it to {m.plan.compute_dtype} first, exactly "
         "as the vendor's own conversion does, so the result equals converting the unquantized release ("
         + ", ".join(f"{n} {how}" for how, n in dec.tensors_decoded.items()) + ").")
-    return _card_intro_text(src) + decoded
+    return _card_intro_text(src, origin) + decoded
 
 
-def _card_intro_text(src) -> str:
-    if src.repo_id:
-        return (f"[{src.repo_id}](https://huggingface.co/{src.repo_id}) at revision "
-                f"`{src.commit or src.revision}` with its **routed experts quantized to int8** exactly as vLLM's "
+def _card_intro_text(src, origin: Origin) -> str:
+    if origin.base_model:
+        rev = f"revision `{origin.revision}`" if origin.revision else "a revision expq did not record"
+        return (f"[{origin.base_model}](https://huggingface.co/{origin.base_model}) at {rev} "
+                "with its **routed experts quantized to int8** exactly as vLLM's "
                 "`experts_int8` method quantizes them at load time, so you download, store and load about half the "
                 "expert bytes and skip the online step. Everything else is byte-for-byte the original.")
     return (f"`{src.name}` with its **routed experts quantized to int8** exactly as vLLM's `experts_int8` method "
@@ -265,11 +296,13 @@ def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install
                 if "version" in ck.quantization_config else ".")]
 
 
-def _card_verification(m: Manifest, report) -> list[str]:
+def _card_verification(m: Manifest, report, origin: Origin) -> list[str]:
     lines = ["## Verification", ""]
     if report is None:
-        return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source "
-                        f"{m.source.repo_id or m.source.name}` to check it."]
+        source = shlex.join([origin.base_model, *(["--revision", origin.revision] if origin.revision else [])]) \
+            if origin.base_model else f"path/to/{shlex.quote(m.source.name)}"
+        return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source {source}` to "
+                        "check it."]
     lines += [f"`expq verify` at push time: **{report.verdict}**", "", "| check | result |", "|---|---|"]
     lines += [f"| {c.name} | {'pass' if c.ok else 'FAIL'} |" for c in report.checks]
     errs = [r.kernel_rel_err for r in report.layers if r.kernel_rel_err is not None]
@@ -315,10 +348,25 @@ def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
     return ", ".join(parts)
 
 
-def _publishing_warnings(install: str | None) -> list[str]:
-    """What the card cannot say truly: where to install expq from."""
+def _publishing_warnings(m: Manifest, install: str | None, base_model: str | None, license: str | None) -> list[str]:
+    """What the card cannot say truly: where to install expq from, which model it quantizes, its licence."""
+    out = []
     how = install_line(install)
-    return [] if how.runnable else [f"the card's install line is a placeholder ({how.command}): {how.why}"]
+    if not how.runnable:
+        out.append(f"the card's install line is a placeholder ({how.command}): {how.why}")
+    origin = card_origin(m, base_model=base_model, license=license)
+    src = m.source
+    if origin.base_model is None:
+        copy = (f", a `hf download --local-dir` copy of commit {src.commit} (which does not record the repo id)"
+                if src.commit else "")
+        out.append(f"the card has no base_model: the source was the local directory {src.name}{copy}; pass "
+                   f"{option('base_model', 'ORG/NAME')}")
+    elif src.repo_id and origin.base_model != src.repo_id:
+        out.append(f"the card's base_model is {origin.base_model}, but expq.json records the source {src.repo_id}")
+    if origin.license is None:
+        out.append(f"the card has no licence (the source card has none): pass {option('license', 'ID')}, a Hub "
+                   "licence id such as apache-2.0")
+    return out
 
 
 def hub_token(token: str | None) -> str:
@@ -337,7 +385,7 @@ def _scrub(msg: str, token: str | None) -> str:
 def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          create_pr: bool = False, commit_message: str | None = None, token: str | None = None,
          skip_verify: bool = False, dry_run: bool = False, device: str = "auto",
-         install: str | None = None) -> PushReport:
+         install: str | None = None, base_model: str | None = None, license: str | None = None) -> PushReport:
     """Publish a converted checkpoint to the Hub.
 
     Args:
@@ -353,6 +401,10 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         install: the command the card gives its readers to install expq (default ``$EXPQ_INSTALL``, else derived
             from how this expq was installed; see ``install_line``). When none is known to work, the card holds a
             placeholder and the report's ``warnings`` say so.
+        base_model: the card's ``base_model`` (the source's Hub repo id), for a checkpoint converted from a local
+            directory (default: the repo id ``expq.json`` records; a warning when there is none).
+        license: the card's licence (a Hub licence id such as ``apache-2.0``; default: the source card's; a warning
+            when there is none).
 
     Returns:
         PushReport.
@@ -379,7 +431,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         if not report.ok:
             raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
                             hint="fix the checkpoint, or pass --skip-verify")
-    card = model_card(out, repo_id, report, install=install)
+    card = model_card(out, repo_id, report, install=install, base_model=base_model, license=license)
     files = local_files(out)
     if not any(f["path"] == "README.md" for f in files):
         files.append({"path": "README.md", "size": len(card.encode()), "sha256": ""})
@@ -387,7 +439,8 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
                      verified=None if report is None else report.ok,
                      verify_verdict=None if report is None else report.verdict, card=card,
-                     warnings=card_warnings(ConvertedCheckpoint(out)) + _publishing_warnings(install))
+                     warnings=card_warnings(ConvertedCheckpoint(out)) + _publishing_warnings(
+                         ConvertedCheckpoint(out).manifest, install, base_model, license))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written

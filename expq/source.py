@@ -598,7 +598,9 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     if p.exists():
         if revision is not None:
             raise SourceError("--revision applies to Hub repo ids, not to a local directory", file=str(p))
-        return open_source(p)
+        src = open_source(p)
+        src.commit = local_download_commit(src)
+        return src
     s = str(src)
     if not is_repo_id(s):
         raise SourceError("no such directory, and not a Hub repo id", file=s)
@@ -606,6 +608,22 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
 
     local, commit = fetch(s, revision=revision, token=token)
     return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
+
+
+def local_download_commit(src: Source) -> str | None:
+    """The Hub commit a ``hf download --local-dir`` copy came from: the one commit its
+    ``.cache/huggingface/download/<file>.metadata`` records (first line) for config.json and every shard, else None
+    (not such a copy, or files of different commits). The repo id is not recorded there."""
+    meta = src.root / ".cache" / "huggingface" / "download"
+    commits = set()
+    for rel in ["config.json", *(sh.file for sh in src.shards)]:
+        try:
+            with open(meta / f"{rel}.metadata", encoding="utf-8") as f:
+                commits.add(f.readline().strip())
+        except (OSError, UnicodeDecodeError):
+            return None
+    (commit,) = commits if len(commits) == 1 else (None,)
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
 def is_repo_id(s: str) -> bool:

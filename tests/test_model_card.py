@@ -38,7 +38,7 @@ def test_card_install_line_from_the_environment(int8_out, monkeypatch):
     monkeypatch.setenv("EXPQ_INSTALL", GIVEN)
     assert install_line() == Install(GIVEN, True, "from $EXPQ_INSTALL")
     assert GIVEN in model_card(int8_out, "me/m")
-    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True)
+    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True, base_model="org/m", license="mit")
     assert rep.warnings == [] and GIVEN in rep.card
 
 
@@ -49,7 +49,7 @@ def test_unknown_install_line_is_a_placeholder_and_a_warning(int8_out, monkeypat
     how = install_line()
     if how.runnable:
         pytest.skip(f"this expq was installed from somewhere anyone can install it from: {how.command}")
-    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True)
+    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True, base_model="org/m", license="mit")
     assert len(rep.warnings) == 1 and "placeholder" in rep.warnings[0] and "install='...'" in rep.warnings[0]
     assert "<the expq repository>" in rep.card
     r = CliRunner().invoke(app, ["push", str(int8_out), "me/m", "--dry-run", "--skip-verify"])
@@ -76,3 +76,78 @@ def test_install_line_from_a_checkout_whose_remote_holds_its_commit(tmp_path):
     assert _checkout_remote(root) == (f"git+ssh://git@example.org/org/expq.git@{head}", head)
     git(root, "remote", "set-url", "origin", str(tmp_path / "elsewhere"))
     assert _checkout_remote(root) == (None, head)  # a local path is no place a reader can install from
+
+
+def card_yaml(card: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_local_source_card_base_model_and_licence(int8_out, monkeypatch):
+    """A checkpoint converted from a plain local directory: the card has neither base_model nor licence unless
+    given, and push warns about each (in the caller's terms); given, both are in the card's metadata and the intro
+    links the model."""
+    monkeypatch.setenv("EXPQ_INSTALL", GIVEN)
+    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True)
+    meta = card_yaml(rep.card)
+    assert "base_model" not in meta and "license" not in meta
+    assert [w.split(":")[0] for w in rep.warnings] == ["the card has no base_model", "the card has no licence (the "
+                                                       "source card has none)"]
+    assert "base_model='ORG/NAME'" in rep.warnings[0] and "license='ID'" in rep.warnings[1]
+    rep = expq.push(int8_out, "me/m", dry_run=True, skip_verify=True, base_model="org/tiny-mixtral",
+                    license="apache-2.0")
+    meta = card_yaml(rep.card)
+    assert meta["base_model"] == "org/tiny-mixtral" and meta["license"] == "apache-2.0" and rep.warnings == []
+    assert "[org/tiny-mixtral](https://huggingface.co/org/tiny-mixtral) at a revision expq did not record" in rep.card
+    assert "`expq verify . --source org/tiny-mixtral`" in rep.card
+    r = CliRunner().invoke(app, ["push", str(int8_out), "me/m", "--dry-run", "--skip-verify"])
+    assert r.exit_code == 0 and "pass --base-model ORG/NAME" in r.output and "pass --license ID" in r.output
+    r = CliRunner().invoke(app, ["push", str(int8_out), "me/m", "--dry-run", "--skip-verify", "--base-model",
+                                 "org/tiny-mixtral", "--license", "mit"])
+    assert r.exit_code == 0 and "WARNING" not in r.output and "base_model: org/tiny-mixtral" in r.output
+    assert "license: mit" in r.output
+
+
+def test_library_name_and_format_explanation_tell_the_truth(int8_out, tmp_path, tmp_path_factory):
+    """experts-int8: stock transformers refuses it, so the card does not say library_name: transformers; gpt_oss's
+    card explains its format without sending the reader to another format's output."""
+    assert card_yaml(model_card(int8_out, "me/m"))["library_name"] == "expq"
+    ct = tmp_path / "ct"
+    expq.convert(example(tmp_path_factory, "mixtral"), ct, format="compressed-tensors", device="cpu")
+    assert card_yaml(model_card(ct, "me/m"))["library_name"] == "transformers"
+    gpt = tmp_path / "gpt"
+    expq.convert(example(tmp_path_factory, "gpt_oss"), gpt, device="cpu")  # the default: experts-int8
+    card = model_card(gpt, "me/g")
+    assert card_yaml(card)["library_name"] == "expq"
+    fmt = next(ln for ln in card.splitlines() if ln.startswith("Format: "))
+    assert fmt.startswith("Format: **experts-int8** (stock transformers cannot map per-expert quantized tensors "
+                          "onto this family's stacked experts"), fmt
+    assert "output of this family" not in card
+
+
+def test_hf_download_local_dir_copy_records_its_commit(hub_server, tmp_path, tmp_path_factory, monkeypatch):
+    """A `hf download --local-dir` copy: its .cache/huggingface/download metadata gives the commit (expq.json, the
+    convert report, the card's revision); the repo id, which that metadata does not hold, comes from base_model,
+    and without it the warning names the commit."""
+    from huggingface_hub import snapshot_download
+
+    monkeypatch.setenv("EXPQ_INSTALL", GIVEN)
+    commit = hub_server.add_repo("org/tiny-mixtral", example(tmp_path_factory, "mixtral"))
+    local = tmp_path / "tiny-mixtral"
+    snapshot_download("org/tiny-mixtral", local_dir=local)
+    assert any((local / ".cache" / "huggingface" / "download").glob("*.metadata"))
+    out = tmp_path / "out"
+    report = expq.convert(local, out, device="cpu")
+    assert report.commit == commit and report.source == str(local)
+    rep = expq.push(out, "me/m", dry_run=True, skip_verify=True, license="apache-2.0")
+    assert rep.warnings == [f"the card has no base_model: the source was the local directory tiny-mixtral, a `hf "
+                            f"download --local-dir` copy of commit {commit} (which does not record the repo id); "
+                            "pass base_model='ORG/NAME'"]
+    rep = expq.push(out, "me/m", dry_run=True, skip_verify=True, license="apache-2.0", base_model="org/tiny-mixtral")
+    assert rep.warnings == [] and card_yaml(rep.card)["base_model"] == "org/tiny-mixtral"
+    assert f"[org/tiny-mixtral](https://huggingface.co/org/tiny-mixtral) at revision `{commit}`" in rep.card
+    # one file of another commit: no single commit to claim
+    meta = local / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    meta.write_text(meta.read_text().replace(commit, "f" * 40, 1))
+    assert expq.convert(local, tmp_path / "out2", device="cpu").commit is None

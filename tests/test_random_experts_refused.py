@@ -74,7 +74,7 @@ def test_cli_refuses_then_acknowledged_verify_inspect_and_card_say_it(tmp_path, 
     assert "randomly initialised routed experts" in first
     how = card.split("## How it was made", 1)[1].split("```")[1]
     assert "--format compressed-tensors" in how and FLAG in how, how
-    assert res["warnings"] == rep.warnings
+    assert res["warnings"][0] == rep.warnings[0]  # then what the card could not say (install line, licence...)
 
 
 def test_no_warning_where_stock_transformers_loads_it(tmp_path, tmp_path_factory):
