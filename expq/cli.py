@@ -1,8 +1,9 @@
 """The ``expq`` command line: parse, call the Python API, render with rich. No work happens here that the API does
 not expose.
 
-Exit status: 0 success; 1 a failed check or a conversion error (one line naming file/tensor/expert/row); 2 usage
-errors and unreadable input. Set ``EXPQ_DEBUG=1`` to see tracebacks.
+Exit statuses are the README's ("Promises, and exit statuses"): 0 success; 1 a failed check or a conversion error
+(one line naming file/tensor/expert/row); 2 usage errors and unreadable input; 3-7 the Hub's answers; 128 + the
+signal when interrupted. Set ``EXPQ_DEBUG=1`` to see tracebacks.
 
 Output: user text (paths, tensor names, prompts, generated text, error messages) is always printed literally, never
 as rich markup. On a terminal, rich tables and bars; when stdout or stderr is not a terminal, plain lines that are
@@ -301,6 +302,8 @@ def verify(
     device: Annotated[str, typer.Option(help="Where the kernel check runs: auto, cpu, cuda, cuda:N.")] = "auto",
     tokens: Annotated[int, typer.Option(help="Random tokens per MoE layer for the kernel check.")] = 64,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of --source.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token for --source (default: HF_TOKEN or your login).",
+                                                 show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
@@ -309,7 +312,7 @@ def verify(
 
     quiet_hub_bars()
     with errors_to_exit_codes():
-        report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision)
+        report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision, token=token)
     if as_json:
         print(json.dumps(report.to_dict()))
     else:

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import ConvertedCheckpoint
+from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import clients, stock_transformers_misloads
-from .errors import ExpqError, UnreadableInputError, UsageError, option
+from .errors import ExpqError, UsageError, option
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
 
@@ -25,7 +25,14 @@ TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
           "*.tmp", "*.partial", "*.lock", "__pycache__/*"]
 class PushError(ExpqError):
-    """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload."""
+    """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload.
+
+    ``exit_code`` follows the read side's (README, exit statuses): 3 the repo is not found, 4 no write access (403),
+    5 the token is rejected (401), 6 the Hub cannot be reached; 1 otherwise."""
+
+    def __init__(self, message: str, *, exit_code: int = 1, **kw):
+        self.exit_code = exit_code
+        super().__init__(message, **kw)
 
 
 @dataclass
@@ -374,7 +381,7 @@ def hub_token(token: str | None) -> str:
 
     tok = token or get_token()
     if not tok:
-        raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
+        raise PushError(f"no Hugging Face token: pass {option('token', 'TOKEN')}, set HF_TOKEN or run `hf auth login`")
     return tok
 
 
@@ -417,12 +424,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     out = Path(out)
     if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1:
         raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
-    try:
-        ConvertedCheckpoint(out)  # raises if OUT is not a converted checkpoint
-    except UsageError:
-        raise
-    except ExpqError as e:
-        raise UnreadableInputError.from_error(e) from None
+    ck = open_checkpoint(out)  # raises if OUT is not a converted checkpoint
     report = None
     if not skip_verify:
         from .verifier import verify
@@ -430,7 +432,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         report = verify(out, device=device, tokens=16)
         if not report.ok:
             raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
-                            hint="fix the checkpoint, or pass --skip-verify")
+                            hint=f"fix the checkpoint, or pass {option('skip_verify')}")
     card = model_card(out, repo_id, report, install=install, base_model=base_model, license=license)
     files = local_files(out)
     if not any(f["path"] == "README.md" for f in files):
@@ -439,8 +441,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
                      verified=None if report is None else report.ok,
                      verify_verdict=None if report is None else report.verdict, card=card,
-                     warnings=card_warnings(ConvertedCheckpoint(out)) + _publishing_warnings(
-                         ConvertedCheckpoint(out).manifest, install, base_model, license))
+                     warnings=card_warnings(ck) + _publishing_warnings(ck.manifest, install, base_model, license))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written
@@ -453,6 +454,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
                 token=tok)
     except ExpqError as e:
         e.message = _scrub(e.message, tok)
+        Exception.__init__(e, e._line())  # the line printed is the scrubbed one
         raise
     except Exception as e:  # noqa: BLE001
         raise translate_hub_error(e, repo_id, tok) from None
@@ -464,18 +466,18 @@ def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
 
     status = getattr(getattr(e, "response", None), "status_code", None)
     text = _scrub(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
+    resume = "re-run the same command to resume; finished files are not uploaded again"
     if isinstance(e, RepositoryNotFoundError) or status == 404:
-        return PushError(f"repo {repo_id} not found or not accessible with this token: {text}")
+        return PushError(f"repo {repo_id} not found or not accessible with this token: {text}", exit_code=3)
     if status == 401:
-        return PushError(f"the Hub rejected the token (401): {text}", hint="check --token / HF_TOKEN")
+        return PushError(f"the Hub rejected the token (401): {text}", exit_code=5,
+                         hint=f"check {option('token', 'TOKEN')} / HF_TOKEN")
     if status == 403:
-        return PushError(f"no write permission to {repo_id} with this token (403)",
+        return PushError(f"no write permission to {repo_id} with this token (403)", exit_code=4,
                          hint="use a token with write access to this namespace")
     if isinstance(e, HfHubHTTPError) and status is not None:
-        return PushError(f"the Hub answered {status}: {text}",
-                         hint="re-run the same command to resume; finished files are not uploaded again")
-    return PushError(f"network failure talking to the Hub ({type(e).__name__}: {text})",
-                     hint="re-run the same command to resume; finished files are not uploaded again")
+        return PushError(f"the Hub answered {status}: {text}", hint=resume)
+    return PushError(f"network failure talking to the Hub ({type(e).__name__}: {text})", exit_code=6, hint=resume)
 
 
 def ensure_model_repo(api, repo_id: str, *, private: bool) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ConvertedCheckpoint, LayerExperts
+from .checkpoint import ConvertedCheckpoint, LayerExperts, open_checkpoint
 from .errors import ExpqError, LayoutError, UsageError
 
 _PATCH_LOCK = threading.Lock()
@@ -43,9 +43,10 @@ def load_experts(path: str | Path, layer: int | None = None) -> dict:
         then up), or that inner dict alone when ``layer`` is given.
 
     Raises:
-        ExpqError: not a converted checkpoint, or ``layer`` is not a MoE layer (the message lists them).
+        UnreadableInputError: not a converted checkpoint. LayoutError: ``layer`` is not a MoE layer (the message
+            lists them).
     """
-    ck = ConvertedCheckpoint(path)
+    ck = open_checkpoint(path)
     if layer is not None:
         if layer not in ck.moe_layers:
             raise LayoutError(f"layer {layer} is not a MoE layer; MoE layers: {ck.moe_layers}", file=str(path))
@@ -180,18 +181,19 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
 
     Raises:
         UsageError: an unknown backend, or a device that is not available.
-        ExpqError: not a converted checkpoint; transformers cannot instantiate this architecture; the layout's
-            runtime module is not found in the model.
+        UnreadableInputError: not a converted checkpoint (exit status 2).
+        ExpqError: transformers cannot instantiate this architecture; the layout's runtime module is not found in
+            the model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as tlog
-
     from .kernels.moe import BACKENDS
     from .devices import parse_devices
 
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    ck = ConvertedCheckpoint(path)
+    ck = open_checkpoint(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as tlog
+
     lay = ck.layout
     dev = parse_devices(str(device))[0] if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import SourceError
+from .errors import SourceError, UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -590,7 +590,7 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     the root-level side files: no ``onnx/``, ``metal/``, ``original/``, no unindexed or other-format weights).
 
     Raises:
-        SourceError: the directory is not a checkpoint, or ``src`` is neither a directory nor a repo id.
+        SourceError: the directory is not a checkpoint. UsageError: ``src`` is neither a directory nor a repo id.
         HubNotFoundError (exit 3), HubAccessError (4), HubAuthError (5), HubOfflineError (6), IncompleteCacheError
             (7): see ``hubsource.fetch``; all are ``SourceError`` subclasses.
     """
@@ -603,7 +603,7 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
         return src
     s = str(src)
     if not is_repo_id(s):
-        raise SourceError("no such directory, and not a Hub repo id", file=s)
+        raise UsageError("no such directory, and not a Hub repo id", file=s)
     from .hubsource import fetch
 
     local, commit = fetch(s, revision=revision, token=token)

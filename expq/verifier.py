@@ -28,7 +28,7 @@ import torch
 from .checkpoint import ConvertedCheckpoint, LayerExperts
 from .devices import parse_devices
 from .engines.clients import stock_transformers_misloads
-from .errors import ExpqError, HubError, UnreadableInputError, UsageError
+from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, UsageError
 from .kernels import select_backend
 from .manifest import PUSH_WRITES
 from .source import INDEX_NAME
@@ -157,7 +157,7 @@ class Findings:
 
 
 def verify(out: str | Path, source: str | Path | None = None, *, device: str = "auto", tokens: int = 64,
-           revision: str | None = None, seed: int = 0) -> VerifyReport:
+           revision: str | None = None, token: str | None = None, seed: int = 0) -> VerifyReport:
     """Verify a checkpoint written by ``expq convert``.
 
     Steps: open the checkpoint; structure checks; with a source, plan it the same way and compare the other tensors
@@ -169,7 +169,8 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         source: the source checkpoint (directory or Hub repo id) for the bit-for-bit and byte-for-byte checks.
         device: ``auto`` (CUDA if present), ``cpu``, ``cuda`` or ``cuda:N``: where the kernel check runs.
         tokens: random tokens per MoE layer for the kernel check (raised so every expert gets at least one).
-        revision: Hub revision of ``source``.
+        revision, token: Hub revision of ``source``, and the token to fetch it with (default: ``HF_TOKEN`` or the
+            huggingface_hub login).
         seed: seed of the random activations.
 
     Returns:
@@ -184,7 +185,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
     if tokens < 1:
         raise UsageError("--tokens must be at least 1")
     dev = parse_devices(device)[0]
-    ck, plan = _open(out, source, revision)
+    ck, plan = _open(out, source, revision, token)
     found = Findings()
     checks = _structure_checks(ck, found.problems)
     if plan is not None:
@@ -195,7 +196,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
     return _report(ck, out, source, checks, layers, found.problems, dev, backend, tokens, time.perf_counter() - t0)
 
 
-def _open(out, source, revision) -> tuple[ConvertedCheckpoint, object]:
+def _open(out, source, revision, token) -> tuple[ConvertedCheckpoint, object]:
     """The checkpoint, and the plan of its source made with the checkpoint's own layout and dtype (or None)."""
     from .plan import make_plan
     from .source import resolve_source
@@ -204,9 +205,16 @@ def _open(out, source, revision) -> tuple[ConvertedCheckpoint, object]:
         ck = ConvertedCheckpoint(out)
         if source is None:
             return ck, None
-        src = resolve_source(source, revision=revision)
+        src = resolve_source(source, revision=revision, token=token)
         dtype = ck.manifest.options.dtype if ck.manifest is not None else "auto"
-        return ck, make_plan(src, layout=ck.layout, dtype=dtype, format=ck.format.name)
+        try:
+            return ck, make_plan(src, layout=ck.layout, dtype=dtype, format=ck.format.name)
+        except LayoutError as e:  # a source of another model: say so (verify takes OUT's layout, it has no other)
+            raise UnreadableInputError(
+                e.message, file=e.file, tensor=e.tensor,
+                hint=f"the source must be the checkpoint OUT was converted from: OUT has the {ck.layout.name} layout "
+                     f"(model_type {ck.config.get('model_type')!r}), the source is model_type "
+                     f"{src.config.get('model_type')!r}") from None
     except (UsageError, HubError):  # Hub errors keep their own exit codes
         raise
     except ExpqError as e:

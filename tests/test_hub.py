@@ -207,11 +207,11 @@ def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd
     # wrong token: 401, and the token never appears in the output
     secret = "hf_super_secret_value_123"
     code, text = run("push", converted, "me/x", "--token", secret)
-    assert code == 1 and "401" in text and secret not in text
+    assert code == 5 and "401" in text and secret not in text and "check --token TOKEN / HF_TOKEN" in text
     # no permission
     hub_server.deny_write("forbidden")
     code, text = run("push", converted, "forbidden/x")
-    assert code == 1 and "no write permission" in text and TOKEN not in text
+    assert code == 4 and "no write permission" in text and TOKEN not in text
     # a dataset with that name
     hub_server.create_repo("me/data", repo_type="dataset")
     code, text = run("push", converted, "me/data")
@@ -223,8 +223,9 @@ def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd
     from hub_server import configure_hf_client
 
     configure_hf_client(monkeypatch, "http://127.0.0.1:9", hub_server.root / "home2", TOKEN)
+    readme = (converted / "README.md").read_bytes() if (converted / "README.md").exists() else None
     code, text = run("push", converted, "me/x")
-    assert code == 1 and "network failure" in text and "resume" in text
+    assert code == 6 and "network failure" in text and "resume" in text  # README: 6, the Hub is not reachable
     out = capfd.readouterr()
     assert TOKEN not in out.out + out.err and secret not in out.out + out.err
 
