@@ -18,9 +18,10 @@ from . import __version__
 from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
 from .errors import HubError, Interrupted, UsageError, option
-from .formats import AUTO, FORMATS
+from .formats import FORMATS
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
+from .options import check_convert, check_dtype, check_format, check_size
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
@@ -91,6 +92,9 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
         SourceError, LayoutError: see ``source.resolve_source`` and ``plan.make_plan``.
         UsageError: a bad ``dtype`` or ``max_shard_size``.
     """
+    check_format(format)
+    check_dtype(dtype)
+    check_size(max_shard_size)
     source = resolve_source(src, revision=revision, token=token)
     try:
         return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
@@ -161,12 +165,8 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         On any error nothing is left under a final name in ``out``.
     """
     t0 = time.perf_counter()
-    if format not in FORMATS and format != AUTO:
-        raise UsageError(f"unknown --format {format!r}; supported: {AUTO}, {', '.join(FORMATS)}")
-    _check_targets(out, ray, to_hub)
-    if ray is not None and stream and Path(src).expanduser().exists():
-        raise UsageError("--stream applies to Hub repo ids; SRC is a local directory (convert it without --stream)",
-                         file=str(src))
+    check_convert(src, out, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size, stream=stream,
+                  ray=ray, to_hub=to_hub)
     if ray is not None:
         return _convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                device=device, revision=revision, max_shard_size=max_shard_size, overwrite=overwrite,
@@ -221,16 +221,6 @@ def refuse_random_experts(plan: Plan, *, allowed: bool) -> None:
                           "an error; vLLM with expq's plugin and expq.load_model run it), or pass "
                           f"{option('allow_random_experts_in_transformers')} for a checkpoint never meant for stock "
                           "transformers")
-
-
-def _check_targets(out, ray: str | None, to_hub: str | None) -> None:
-    if to_hub is not None and ray is None:
-        raise UsageError("--to-hub needs --ray: its tasks upload the shards they write (on one machine, convert "
-                         "to OUT and run `expq push OUT REPO`)")
-    if to_hub is not None and out is not None:
-        raise UsageError("give OUT or --to-hub, not both")
-    if to_hub is None and out is None:
-        raise UsageError("missing OUT (or --to-hub REPO with --ray)")
 
 
 # --- --ray: the driver's steps ---------------------------------------------------------------------------------------

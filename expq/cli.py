@@ -27,8 +27,9 @@ from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 
-from .errors import ExpqError, cli_options
-from .progress import ProgressLines, interactive, is_tty, quiet_hub_bars
+from . import options
+from .errors import ExpqError, UsageError, cli_options
+from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
@@ -146,6 +147,10 @@ def convert(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
+    with errors_to_exit_codes():  # usage errors first: before torch is imported and the source opened
+        options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
+                              stream=stream, ray=ray, to_hub=to_hub)
+        interval()
     from .api import convert as api_convert
 
     quiet_hub_bars()
@@ -252,6 +257,10 @@ def inspect(
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor and what happens to it.")] = False,
 ) -> None:
     """Show what convert would do, without writing anything."""
+    with errors_to_exit_codes():
+        options.check_format(format)
+        options.check_dtype(dtype)
+        options.check_size(max_shard_size)
     from .api import inspect as api_inspect
 
     quiet_hub_bars()
@@ -308,6 +317,9 @@ def verify(
 ) -> None:
     """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
+    with errors_to_exit_codes():
+        options.check_devices(device, several=False)
+        options.check_at_least_one(tokens, "--tokens")
     from .verifier import verify as api_verify
 
     quiet_hub_bars()
@@ -358,6 +370,12 @@ def run(
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: CUDA if available).")] = None,
 ) -> None:
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
+    with errors_to_exit_codes():
+        if device is not None:
+            options.check_devices(device, several=False)
+        options.check_at_least_one(max_new_tokens, "--max-new-tokens")
+        if not prompt.strip():
+            raise UsageError("--prompt is empty")
     from .runtime import generate
 
     quiet_hub_bars()
@@ -399,6 +417,8 @@ def push(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
+    with errors_to_exit_codes():
+        options.check_repo_id(repo_id)
     from .hub import push as api_push
     from .hub import report_json
 

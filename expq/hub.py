@@ -19,6 +19,7 @@ from .engines.clients import clients, stock_transformers_misloads
 from .errors import ExpqError, UsageError, option
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
+from .options import check_repo_id
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
@@ -422,8 +423,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         UsageError: a bad repo id, or OUT has no expq.json. SourceError: OUT is not a converted checkpoint.
     """
     out = Path(out)
-    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1:
-        raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
+    check_repo_id(repo_id)
     ck = open_checkpoint(out)  # raises if OUT is not a converted checkpoint
     report = None
     if not skip_verify:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import SourceError, UsageError
+from .errors import SourceError
+from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -602,8 +603,7 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
         src.commit = local_download_commit(src)
         return src
     s = str(src)
-    if not is_repo_id(s):
-        raise UsageError("no such directory, and not a Hub repo id", file=s)
+    check_source(s)
     from .hubsource import fetch
 
     local, commit = fetch(s, revision=revision, token=token)
@@ -624,11 +624,6 @@ def local_download_commit(src: Source) -> str | None:
             return None
     (commit,) = commits if len(commits) == 1 else (None,)
     return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
-
-
-def is_repo_id(s: str) -> bool:
-    """Whether ``s`` has the form of a Hub repo id (``name`` or ``org/name``; letters, digits, ``_.-``)."""
-    return bool(re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s)) and not s.startswith((".", "/"))
 
 
 def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:
