@@ -8,7 +8,9 @@ on 1.x), then a check that the remote files have the local sizes and hashes. The
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -425,41 +427,74 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     out = Path(out)
     check_repo_id(repo_id)
     ck = open_checkpoint(out)  # raises if OUT is not a converted checkpoint
-    report = None
-    if not skip_verify:
-        from .verifier import verify
-
-        report = verify(out, device=device, tokens=16)
-        if not report.ok:
-            raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
-                            hint=f"fix the checkpoint, or pass {option('skip_verify')}")
+    report = None if skip_verify else _verify_before_push(out, device)
     card = model_card(out, repo_id, report, install=install, base_model=base_model, license=license)
-    files = local_files(out)
-    if not any(f["path"] == "README.md" for f in files):
-        files.append({"path": "README.md", "size": len(card.encode()), "sha256": ""})
-    total = sum(f["size"] for f in files)
-    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
-                     verified=None if report is None else report.ok,
+    files = with_card(local_files(out), card)
+    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files,
+                     bytes=sum(f["size"] for f in files), verified=None if report is None else report.ok,
                      verify_verdict=None if report is None else report.verdict, card=card,
                      warnings=card_warnings(ck) + _publishing_warnings(ck.manifest, install, base_model, license))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written
-    (out / "README.md").write_text(card)
-    files = local_files(out)
-    res.files, res.bytes = files, sum(f["size"] for f in files)
-    try:
-        _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
-                commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",
-                token=tok)
-    except ExpqError as e:
-        e.message = _scrub(e.message, tok)
-        Exception.__init__(e, e._line())  # the line printed is the scrubbed one
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, repo_id, tok) from None
+    with card_in_place(out / "README.md", card):  # the previous README.md comes back if the push fails
+        try:
+            _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
+                    commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",
+                    token=tok)
+        except ExpqError as e:
+            e.message = _scrub(e.message, tok)
+            Exception.__init__(e, e._line())  # the line printed is the scrubbed one
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise translate_hub_error(e, repo_id, tok) from None
     return res
 
+
+def _verify_before_push(out: Path, device: str):
+    from .verifier import verify
+
+    report = verify(out, device=device, tokens=16)
+    if not report.ok:
+        raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
+                        hint=f"fix the checkpoint, or pass {option('skip_verify')}")
+    return report
+
+
+def with_card(files: list[dict], card: str) -> list[dict]:
+    """The files a push uploads: OUT's, with README.md being the card (its size and sha256), not what OUT holds
+    under that name now (the source's card, or an earlier one)."""
+    import hashlib
+
+    data = card.encode()
+    entry = {"path": "README.md", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return [entry if f["path"] == "README.md" else f for f in files] + \
+        ([] if any(f["path"] == "README.md" for f in files) else [entry])
+
+
+@contextlib.contextmanager
+def card_in_place(path: Path, card: str):
+    """Put the card at ``path`` (OUT/README.md) for the upload, each change a single rename; if the block raises
+    (or is interrupted), put back what was there before (the file's bytes, or its link), or nothing."""
+    tmp = path.with_name(f".{path.name}.expq-card")
+    old_link = os.readlink(path) if path.is_symlink() else None
+    old = path.read_bytes() if old_link is None and path.is_file() else None
+    tmp.unlink(missing_ok=True)
+    tmp.write_text(card)
+    os.replace(tmp, path)
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if old_link is not None:
+            os.symlink(old_link, tmp)
+        elif old is not None:
+            tmp.write_bytes(old)
+        if old_link is not None or old is not None:
+            os.replace(tmp, path)
+        else:
+            path.unlink(missing_ok=True)
+        raise
 
 def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError

@@ -3,6 +3,7 @@ expq push (full push, resume, refusal, the card, errors, no token leaks)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -147,9 +148,11 @@ def test_full_push(hub_server, converted, hub_src):
 def test_interrupted_push_resumes(hub_server, converted):
     n = len(list(converted.glob("*.safetensors")))
     assert n >= 3
+    readme = (converted / "README.md").read_bytes()
     hub_server.inject_fault("lfs_upload", after=2, times=1, status=507)
     with pytest.raises(PushError, match="re-run the same command to resume"):
         push(converted, "me/resumed")
+    assert (converted / "README.md").read_bytes() == readme  # the failed push's card is not left in OUT
     first = list(hub_server.uploaded_oids)
     assert 0 < len(first) < n  # uploads run in parallel: the others finished before the failure surfaced
     hub_server.reset_stats()
@@ -188,7 +191,13 @@ def test_dry_run_touches_no_network(hub_server, converted, monkeypatch):
     assert tree_digest(converted) == before  # nothing written either
     r = CliRunner().invoke(app, ["push", str(converted), "me/dry", "--dry-run", "--json"])
     rep = json.loads(r.stdout)  # stdout is the JSON alone (warnings go to stderr)
-    assert rep["dry_run"] and rep["verified"] and any(f["path"] == "README.md" for f in rep["files"])
+    assert rep["dry_run"] and rep["verified"]
+    # README.md is listed as the card that would be uploaded, not the source's card OUT holds now
+    (card_file,) = [f for f in rep["files"] if f["path"] == "README.md"]
+    card = rep["card"].encode()
+    assert card_file == {"path": "README.md", "size": len(card), "sha256": hashlib.sha256(card).hexdigest()}
+    assert (converted / "README.md").stat().st_size != len(card)
+    assert rep["bytes"] == sum(f["size"] for f in rep["files"])
 
 
 def test_push_create_pr_and_branch(hub_server, converted):
@@ -204,6 +213,8 @@ def test_push_create_pr_and_branch(hub_server, converted):
 
 
 def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd):
+    readme = (converted / "README.md").read_bytes()  # the source's card, copied by convert
+    assert b"expq" not in readme
     # wrong token: 401, and the token never appears in the output
     secret = "hf_super_secret_value_123"
     code, text = run("push", converted, "me/x", "--token", secret)
@@ -223,11 +234,13 @@ def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd
     from hub_server import configure_hf_client
 
     configure_hf_client(monkeypatch, "http://127.0.0.1:9", hub_server.root / "home2", TOKEN)
-    readme = (converted / "README.md").read_bytes() if (converted / "README.md").exists() else None
     code, text = run("push", converted, "me/x")
     assert code == 6 and "network failure" in text and "resume" in text  # README: 6, the Hub is not reachable
     out = capfd.readouterr()
     assert TOKEN not in out.out + out.err and secret not in out.out + out.err
+    # none of these failed pushes left its card in OUT: README.md is what it was
+    assert (converted / "README.md").read_bytes() == readme
+    assert sorted(p.name for p in converted.iterdir() if p.name.startswith(".")) == []
 
 
 def test_push_without_token(hub_server, converted, monkeypatch):
