@@ -171,11 +171,12 @@ def test_push_refuses_failing_checkpoint(hub_server, converted):
     t = load_file(converted / idx["weight_map"][name])
     t[name].zero_()  # bytes 0 = code -128: outside the scheme's range
     save_file(t, converted / idx["weight_map"][name], metadata={"format": "pt"})
-    with pytest.raises(PushError, match="verify failed, refusing to push.*(sha256 differs|layer 1 expert 0 down)"):
+    with pytest.raises(PushError, match="verify failed, refusing to push.*(sha256 differs|layer 1 expert 0 down)") as ei:
         push(converted, "me/bad")
+    assert "or pass skip_verify=True)" in str(ei.value) and "--" not in str(ei.value)  # Python's words
     assert not hub_server.repo_exists("me/bad")
     code, text = run("push", converted, "me/bad")
-    assert code == 1 and "refusing to push" in text
+    assert code == 1 and "refusing to push" in text and "or pass --skip-verify)" in text  # the CLI's
     res = push(converted, "me/bad", skip_verify=True)
     assert res.verified is None and "Not verified at push time" in (converted / "README.md").read_text()
 
@@ -249,7 +250,7 @@ def test_push_without_token(hub_server, converted, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     before = tree_digest(converted)
-    with pytest.raises(PushError, match="no Hugging Face token"):
+    with pytest.raises(PushError, match="no Hugging Face token: pass token='TOKEN', set HF_TOKEN"):
         push(converted, "me/x")
     assert tree_digest(converted) == before  # nothing written before the token check
 
@@ -258,3 +259,22 @@ def test_push_needs_a_converted_checkpoint(hub_server, hub_src):
     folder, _ = hub_src
     with pytest.raises(ExpqError, match="quantization_config"):
         push(folder, "me/x")
+
+
+def test_verify_source_with_token(hub_server, hub_src, tmp_path, monkeypatch):
+    """verify --source of a private repo takes --token, as convert does."""
+    folder, _ = hub_src
+    hub_server.add_repo("org/private-mixtral", folder, private=True)
+    out = tmp_path / "out"
+    expq.convert("org/private-mixtral", out, device="cpu")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: the Hub must answer
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    code, text = run("verify", out, "--source", "org/private-mixtral", "--device", "cpu", "--tokens", "8")
+    assert code in (3, 4), text
+    code, text = run("verify", out, "--source", "org/private-mixtral", "--device", "cpu", "--tokens", "8",
+                     "--token", TOKEN)
+    assert code == 0 and "PASS" in text and TOKEN not in text, text
