@@ -15,6 +15,7 @@ generated text never go through rich when piped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Iterable, Optional, Sequence
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
@@ -31,8 +33,21 @@ from . import options
 from .errors import ExpqError, UsageError, cli_options
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments the usual way (``SRC [OUT]``: required bare, optional in
+    brackets), not as typer writes a required one (``{src}``)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, TyperArgument):
+                pieces.append(p.display_name_raw if p.required else f"[{p.display_name_raw}]")
+        return pieces
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
+command = functools.partial(app.command, cls=_Command)
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
@@ -105,9 +120,9 @@ def _human(n: float) -> str:
     return decimal(int(n), precision=2)
 
 
-@app.command()
+@command()
 def convert(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
     out_dir: Annotated[Optional[Path], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
                                                       "be empty); omitted with --to-hub.")] = None,
     format: Annotated[str, typer.Option("--format", help="Output format: auto (the family's default; inspect says "
@@ -244,9 +259,9 @@ class _ConvertProgress:
             self.lines.advance(nbytes, shards_done)
 
 
-@app.command()
+@command()
 def inspect(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
     revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
     layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
@@ -303,7 +318,7 @@ def inspect(
                  row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")) for row in s["tensors"]))
 
 
-@app.command()
+@command()
 def verify(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
     source: Annotated[Optional[str], typer.Option(help="Source checkpoint (directory or Hub repo id): adds the "
@@ -361,7 +376,7 @@ def _print_verify(report) -> None:
     _say(Text(report.verdict, style="bold green" if report.ok else "bold red"))
 
 
-@app.command()
+@command()
 def run(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
     prompt: Annotated[str, typer.Option(help="Prompt text (or space-separated token ids if the checkpoint has no "
@@ -390,10 +405,11 @@ def run(
         _say(" ".join(str(t) for t in g.new_ids))
 
 
-@app.command()
+@command()
 def push(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
-    repo_id: Annotated[str, typer.Argument(help="Hub model repo, namespace/name (created if needed).")],
+    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, namespace/name (created if "
+                                                                   "needed).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing).")] = None,
     create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead.")] = False,
@@ -451,7 +467,7 @@ def main() -> None:
         app.rich_markup_mode = None
     try:
         with errors_to_exit_codes():
-            app()
+            app(prog_name="expq")  # also under python -m expq.cli (the demo)
     except typer.Exit as ex:
         sys.exit(ex.exit_code)
 

@@ -194,3 +194,21 @@ def test_progress_lines_interval():
     assert out == ["converting: 3.00 MB / 4.00 MB (75%), 1/2 shards, 500.00 kB/s, ETA 0:00:02",
                    "converting: 4.00 MB / 4.00 MB (100%), 2/2 shards, 320.00 kB/s, ETA 0:00:00",
                    "converted: 4.00 MB / 4.00 MB (100%), 2/2 shards, 307.69 kB/s, in 0:00:13"]
+
+
+USAGE = {"convert": "SRC [OUT]", "inspect": "SRC", "verify": "OUT", "run": "OUT", "push": "OUT REPO_ID"}
+
+
+@pytest.mark.parametrize("command", sorted(USAGE))
+def test_help_names_arguments_without_placeholders(command):
+    """Usage lines as a user reads them (``SRC [OUT]``), in the plain help a pipe gets and in rich's; no ``{src}``."""
+    from typer.testing import CliRunner
+
+    from expq.cli import app
+
+    plain = cli(command, "--help").stdout
+    rich = CliRunner().invoke(app, [command, "--help"], prog_name="expq", terminal_width=200).output
+    for text in (plain, rich):
+        usage = next(ln for ln in text.splitlines() if "Usage:" in ln)
+        assert usage.strip().strip("│ ").endswith(f"Usage: expq {command} [OPTIONS] {USAGE[command]}"), usage
+        assert "{" not in text and "}" not in text, text
