@@ -288,8 +288,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 @dataclass
 class Generation:
-    """What ``generate`` produced: the prompt and new token ids, the decoded text (None without a tokenizer), the
-    model class, where it ran, and the bytes of its routed experts (int8 + scales) and of the rest."""
+    """What ``generate`` produced: the prompt and new token ids, the decoded continuation (the new tokens' text
+    alone, without the prompt; None without a tokenizer), the model class, where it ran, and the bytes of its routed
+    experts (int8 + scales) and of the rest."""
 
     prompt_ids: list[int]
     new_ids: list[int]
@@ -310,7 +311,9 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
         device: ``cpu``, ``cuda`` or ``cuda:N`` (default: CUDA if available).
 
     Returns:
-        Generation (``text`` is the prompt plus the continuation when the checkpoint has a tokenizer).
+        Generation (``text`` is the continuation, when the checkpoint has a tokenizer: the decoded prompt and new
+        tokens with the decoded prompt taken off the front, so that a space the tokenizer puts between them is
+        kept).
 
     Raises:
         UsageError: an empty prompt, ``max_new_tokens`` < 1, a device that is not there, token ids that are not
@@ -334,8 +337,16 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
                              pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
     new = out[0, ids.shape[1]:].tolist()
     nb = experts_nbytes(model)
-    text = prompt + tok.decode(new, skip_special_tokens=True) if tok is not None else None
+    text = continuation(tok, ids[0].tolist(), new) if tok is not None else None
     return Generation(ids[0].tolist(), new, text, type(model).__name__, str(dev), nb["experts"], nb["other"])
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text of ``new_ids`` as it reads after the prompt: decode(prompt + new) minus decode(prompt) (decoding the
+    new tokens alone would drop a leading space some tokenizers encode in the token), else decode(new)."""
+    head = tok.decode(prompt_ids, skip_special_tokens=True)
+    full = tok.decode(prompt_ids + new_ids, skip_special_tokens=True)
+    return full[len(head):] if full.startswith(head) else tok.decode(new_ids, skip_special_tokens=True)
 
 
 def _tokenizer(path: Path):

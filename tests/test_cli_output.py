@@ -133,15 +133,21 @@ def test_verify_and_push_dry_run_print_paths_literally(odd):
     assert {k: v for k, v in listed.items() if k != "README.md"} == on_disk
 
 
-def test_run_prints_prompt_and_generated_text_exactly(odd):
+def test_run_prints_the_continuation_exactly(odd):
+    """stdout is the continuation alone, as the README says (the prompt is not glued to it), printed literally."""
+    from transformers import AutoTokenizer
+
     from expq.runtime import generate
 
     _, out, _ = odd
     r = cli("run", out, "--prompt", PROMPT, "--max-new-tokens", "6", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     g = generate(out, PROMPT, max_new_tokens=6, device="cpu")
-    assert g.text.startswith(PROMPT) and len(g.text) > 80
-    assert r.stdout == g.text + "\n"  # literal, one line, no hard wrap at 80 columns
+    tok = AutoTokenizer.from_pretrained(out)
+    full = tok.decode(g.prompt_ids + g.new_ids)
+    assert full.startswith(tok.decode(g.prompt_ids)) and g.text == full[len(tok.decode(g.prompt_ids)):]
+    assert PROMPT not in g.text and g.text
+    assert r.stdout == g.text + "\n"  # literal, no hard wrap
     e = lines(r.stderr)
     assert f"token ids: {g.new_ids}" in e
     assert re.fullmatch(r"MixtralForCausalLM: routed experts int8 in memory \([\d.]+ kB\), rest [\d.]+ kB, on cpu",

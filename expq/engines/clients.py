@@ -51,6 +51,13 @@ TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
 TRANSFORMERS_STOCK = ('from transformers import AutoModelForCausalLM\n'
                       'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts dequantized to 16-bit at load')
+# transformers 5 holds a family's experts stacked (one module per layer), so the per-expert module targets of the
+# compressed-tensors config match no module and compressed-tensors logs a warning; transformers' own weight conversion
+# still loads the per-expert tensors into the stacked experts (tests/test_convert.py compares the logits).
+CT_MATCH_WARNING = ("transformers may log compressed-tensors' warning `Could not match ... in instance of ...` for "
+                    "the experts' targets: it is harmless. transformers holds the experts stacked, one module per "
+                    "layer, so the per-expert targets match no module; its own weight conversion loads the "
+                    "per-expert tensors into them.")
 EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
         'model = expq.load_model(snapshot_download("{model}"))  # int8 experts, fused-MoE kernel')
 EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
@@ -92,7 +99,7 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
         vllm = Client("vLLM", True, "bash", "vllm serve {model}",
                       note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""))
     if layout.stock_transformers:
-        tf = Client("transformers", True, "python", TRANSFORMERS_STOCK)
+        tf = Client("transformers", True, "python", TRANSFORMERS_STOCK, CT_MATCH_WARNING)
     else:
         tf = Client("transformers", False, "python", None,
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
