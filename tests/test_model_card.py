@@ -115,7 +115,10 @@ def test_library_name_and_format_explanation_tell_the_truth(int8_out, tmp_path, 
     assert card_yaml(model_card(int8_out, "me/m"))["library_name"] == "expq"
     ct = tmp_path / "ct"
     expq.convert(example(tmp_path_factory, "mixtral"), ct, format="compressed-tensors", device="cpu")
-    assert card_yaml(model_card(ct, "me/m"))["library_name"] == "transformers"
+    ct_card = model_card(ct, "me/m")
+    assert card_yaml(ct_card)["library_name"] == "transformers"
+    tf = ct_card.split("### transformers", 1)[1].split("###", 1)[0]
+    assert "`Could not match ... in instance of ...`" in tf and "it is harmless" in tf  # said where it is seen
     gpt = tmp_path / "gpt"
     expq.convert(example(tmp_path_factory, "gpt_oss"), gpt, device="cpu")  # the default: experts-int8
     card = model_card(gpt, "me/g")
