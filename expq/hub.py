@@ -297,7 +297,8 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
     command = m.command or "expq convert SRC OUT"
     if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
-        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" path/to/{shlex.quote(m.source.name)} OUT", 1)
+        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" {shlex.quote('path/to/' + m.source.name)} OUT",
+                                  1)
     if card_warnings(ck):  # the acknowledgement convert asks for before writing such a checkpoint
         command += " --allow-random-experts-in-transformers"
     return ["## How it was made", "", "```bash", how.command, command.replace(" OUT", " " + name, 1), "```", "",

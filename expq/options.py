@@ -119,5 +119,5 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
 
 def check_repo_id(repo_id: str) -> None:
     """A model repo id, ``namespace/name``."""
-    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
         raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")

@@ -369,7 +369,8 @@ def _check_index(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
             bad.append(f"{INDEX_NAME}: total_size {declared} but the shards hold {total} bytes of tensors")
     for b in bad:
         _fail(problems, b)
-    return Check("index and shards agree", not bad, bad[0] if bad else f"{len(ck.shards)} shards")
+    n = len(ck.shards)
+    return Check("index and shards agree", not bad, bad[0] if bad else f"{n} shard{'s' if n != 1 else ''}")
 
 
 def _check_files_load(ck: ConvertedCheckpoint, problems: list[str]) -> Check:

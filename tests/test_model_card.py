@@ -180,3 +180,18 @@ def test_card_in_place_puts_back_what_was_there(tmp_path, before):
     with card_in_place(path, "# card\n"):  # success: the card stays
         pass
     assert path.read_text() == "# card\n" and not path.is_symlink()
+
+
+def test_card_command_for_a_local_source_with_an_odd_name(tmp_path, tmp_path_factory):
+    """The reproduce command quotes the whole placeholder path, as a shell reads it."""
+    import shlex
+    import shutil
+
+    src = tmp_path / "src [a] b"
+    shutil.copytree(example(tmp_path_factory, "mixtral"), src)
+    out = tmp_path / "out"
+    expq.convert(src, out, device="cpu")
+    how = model_card(out, "me/m", install=GIVEN).split("## How it was made", 1)[1].split("```")[1]
+    line = how.strip().splitlines()[2]
+    assert line == "expq convert 'path/to/src [a] b' m", line
+    assert shlex.split(line)[2] == "path/to/src [a] b"

@@ -39,6 +39,7 @@ CASES = [
     (["run", "SRC", "--max-new-tokens", "0"], {}, "error: --max-new-tokens must be at least 1"),
     (["run", "SRC", "--prompt", " "], {}, "error: --prompt is empty"),
     (["push", "SRC", "datasets/me/x"], {}, "error: 'datasets/me/x' is not a model repo id (namespace/name)"),
+    (["push", "SRC", "me/my model [x]"], {}, "error: 'me/my model [x]' is not a model repo id (namespace/name)"),
 ]
 
 RUNNER = """
