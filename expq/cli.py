@@ -273,6 +273,7 @@ def inspect(
 ) -> None:
     """Show what convert would do, without writing anything."""
     with errors_to_exit_codes():
+        options.check_source(src)
         options.check_format(format)
         options.check_dtype(dtype)
         options.check_size(max_shard_size)

@@ -31,6 +31,7 @@ CASES = [
     (["convert", "SRC", "out"], {"EXPQ_PROGRESS_INTERVAL": "abc"}, "error: EXPQ_PROGRESS_INTERVAL='abc' is not a "
                                                                    "number of seconds >= 0 (unset it for the "
                                                                    "default, 5)"),
+    (["inspect", "./nope"], {}, "error: file ./nope: no such directory, and not a Hub repo id"),
     (["inspect", "SRC", "--format", "gguf"], {}, "error: unknown --format 'gguf'; supported: auto, "
                                                 "compressed-tensors, experts-int8"),
     (["verify", "SRC", "--tokens", "0"], {}, "error: --tokens must be at least 1"),
