@@ -21,7 +21,7 @@ from .errors import HubError, Interrupted, UsageError, option
 from .formats import FORMATS
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
-from .options import check_convert, check_dtype, check_format, check_size, check_source
+from .options import check_convert, check_inspect
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
@@ -92,10 +92,7 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
         SourceError, LayoutError: see ``source.resolve_source`` and ``plan.make_plan``.
         UsageError: a bad ``dtype`` or ``max_shard_size``.
     """
-    check_source(src)
-    check_format(format)
-    check_dtype(dtype)
-    check_size(max_shard_size)
+    check_inspect(src, format=format, dtype=dtype, max_shard_size=max_shard_size)
     source = resolve_source(src, revision=revision, token=token)
     try:
         return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)

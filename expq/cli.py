@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Annotated, Iterable, Optional, Sequence
 
 import typer
-from typer.core import TyperArgument, TyperCommand
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperArgument, TyperCommand
 
 from . import options
-from .errors import ExpqError, UsageError, cli_options
+from .errors import ExpqError, cli_options
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
+
 
 class _Command(TyperCommand):
     """A command whose usage line names its arguments the usual way (``SRC [OUT]``: required bare, optional in
@@ -273,10 +274,7 @@ def inspect(
 ) -> None:
     """Show what convert would do, without writing anything."""
     with errors_to_exit_codes():
-        options.check_source(src)
-        options.check_format(format)
-        options.check_dtype(dtype)
-        options.check_size(max_shard_size)
+        options.check_inspect(src, format=format, dtype=dtype, max_shard_size=max_shard_size)
     from .api import inspect as api_inspect
 
     quiet_hub_bars()
@@ -334,8 +332,7 @@ def verify(
     """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
     with errors_to_exit_codes():
-        options.check_devices(device, several=False)
-        options.check_at_least_one(tokens, "--tokens")
+        options.check_verify(device=device, tokens=tokens)
     from .verifier import verify as api_verify
 
     quiet_hub_bars()
@@ -387,11 +384,7 @@ def run(
 ) -> None:
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
     with errors_to_exit_codes():
-        if device is not None:
-            options.check_devices(device, several=False)
-        options.check_at_least_one(max_new_tokens, "--max-new-tokens")
-        if not prompt.strip():
-            raise UsageError("--prompt is empty")
+        options.check_run(device=device, max_new_tokens=max_new_tokens, prompt=prompt)
     from .runtime import generate
 
     quiet_hub_bars()

@@ -121,3 +121,26 @@ def check_repo_id(repo_id: str) -> None:
     """A model repo id, ``namespace/name``."""
     if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
         raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
+
+
+def check_inspect(src, *, format: str, dtype: str, max_shard_size: str | int) -> None:
+    """The options of ``api.inspect`` whose value alone can be wrong."""
+    check_source(src)
+    check_format(format)
+    check_dtype(dtype)
+    check_size(max_shard_size)
+
+
+def check_verify(*, device: str, tokens: int) -> None:
+    """The options of ``verifier.verify`` whose value alone can be wrong."""
+    check_devices(device, several=False)
+    check_at_least_one(tokens, "--tokens")
+
+
+def check_run(*, device: str | None, max_new_tokens: int, prompt: str) -> None:
+    """The options of ``runtime.generate`` whose value alone can be wrong."""
+    if device is not None:
+        check_devices(device, several=False)
+    check_at_least_one(max_new_tokens, "--max-new-tokens")
+    if not prompt.strip():
+        raise UsageError("--prompt is empty")

@@ -321,11 +321,9 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
         ExpqError: see ``load_model``.
     """
     from .devices import parse_devices
+    from .options import check_run
 
-    if max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if not prompt.strip():
-        raise UsageError("--prompt is empty")
+    check_run(device=device, max_new_tokens=max_new_tokens, prompt=prompt)
     if device is not None:
         parse_devices(device)  # a clear error for a device that is not there
     model = load_model(path, device=device)

@@ -31,6 +31,7 @@ from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, UsageError
 from .kernels import select_backend
 from .manifest import PUSH_WRITES
+from .options import check_verify
 from .source import INDEX_NAME
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
@@ -182,8 +183,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         UsageError: bad device or tokens. UnreadableInputError: ``out`` (or the source) cannot be read at all.
     """
     t0 = time.perf_counter()
-    if tokens < 1:
-        raise UsageError("--tokens must be at least 1")
+    check_verify(device=device, tokens=tokens)
     dev = parse_devices(device)[0]
     ck, plan = _open(out, source, revision, token)
     found = Findings()
