@@ -107,8 +107,6 @@ def install_line(install: str | None = None) -> Install:
     ``pip install "expq @ git+URL@COMMIT"`` line derived from how this expq was installed (pip's
     ``direct_url.json`` of a git or archive install; for a checkout, its git remote and a commit that remote holds),
     else a placeholder with this version's commit that a push warns about."""
-    import os
-
     given = install or os.environ.get(INSTALL_ENV, "").strip()
     if given:
         return Install(given, True, "given" if install else f"from ${INSTALL_ENV}")
@@ -247,8 +245,10 @@ def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
 
 
 def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
-    return [f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}. vLLM and "
-            "`expq.load_model` load it right." for w in card_warnings(ck)] + ([""] if card_warnings(ck) else [])
+    """The card's first lines: each warning as a quoted paragraph."""
+    return [line for w in card_warnings(ck)
+            for line in (f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}. "
+                         "vLLM and `expq.load_model` load it right.", "")]
 
 
 def _card_intro(m: Manifest, origin: Origin) -> str:
@@ -297,8 +297,8 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
     command = m.command or "expq convert SRC OUT"
     if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
-        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" {shlex.quote('path/to/' + m.source.name)} OUT",
-                                  1)
+        placeholder = shlex.quote(f"path/to/{m.source.name}")
+        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" {placeholder} OUT", 1)
     if card_warnings(ck):  # the acknowledgement convert asks for before writing such a checkpoint
         command += " --allow-random-experts-in-transformers"
     return ["## How it was made", "", "```bash", how.command, command.replace(" OUT", " " + name, 1), "```", "",
@@ -311,7 +311,7 @@ def _card_verification(m: Manifest, report, origin: Origin) -> list[str]:
     lines = ["## Verification", ""]
     if report is None:
         source = shlex.join([origin.base_model, *(["--revision", origin.revision] if origin.revision else [])]) \
-            if origin.base_model else f"path/to/{shlex.quote(m.source.name)}"
+            if origin.base_model else shlex.quote(f"path/to/{m.source.name}")
         return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source {source}` to "
                         "check it."]
     lines += [f"`expq verify` at push time: **{report.verdict}**", "", "| check | result |", "|---|---|"]
