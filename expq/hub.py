@@ -327,10 +327,9 @@ def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str, how: Install
     """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``); first,
     how to install expq, which the commands that import it need."""
     lay = ck.layout
-    lines = ["## How to use it", "", f"Format: **{ck.format.name}**" + (
-        f" ({lay.format_reason})." if ck.format.name == lay.default_format and lay.format_reason else "."), "",
-        "expq is not on a package index; where a command below uses it, install it first:", "", "```bash",
-        how.command, "```"]
+    lines = ["## How to use it", "", _card_format(ck), "",
+             "expq is not on a package index; where a command below uses it, install it first:", "", "```bash",
+             how.command, "```"]
     for c in clients(ck.format.name, lay, m.plan.hidden_size):
         lines += ["", f"### {c.engine}", ""]
         if c.loads:
@@ -339,6 +338,20 @@ def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str, how: Install
             lines.append((c.note if c.note[:1].isupper() or c.note.startswith("vLLM") else
                           c.note[0].upper() + c.note[1:]) + ".")
     return lines + [""]
+
+
+def _card_format(ck: ConvertedCheckpoint) -> str:
+    """The format, and why, in terms of this checkpoint (not of the output another format would have been)."""
+    fmt, lay = ck.format, ck.layout
+    line = f"Format: **{fmt.name}**"
+    if fmt.name != lay.default_format:
+        return line + "."
+    if not fmt.stock_transformers_loads and not lay.stock_transformers:
+        return line + (" (this family's default: stock transformers cannot map per-expert quantized tensors onto "
+                       "this family's stacked experts, so from a checkpoint it reads it would run randomly "
+                       "initialised experts; it refuses this one with an error, and transformers after `import expq` "
+                       "and expq.load_model load it).")
+    return line + (f" ({lay.format_reason})." if lay.format_reason else ".")
 
 
 def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:

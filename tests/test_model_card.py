@@ -124,8 +124,8 @@ def test_library_name_and_format_explanation_tell_the_truth(int8_out, tmp_path, 
     card = model_card(gpt, "me/g")
     assert card_yaml(card)["library_name"] == "expq"
     fmt = next(ln for ln in card.splitlines() if ln.startswith("Format: "))
-    assert fmt.startswith("Format: **experts-int8** (stock transformers cannot map per-expert quantized tensors "
-                          "onto this family's stacked experts"), fmt
+    assert fmt.startswith("Format: **experts-int8** (this family's default: stock transformers cannot map per-expert "
+                          "quantized tensors onto this family's stacked experts"), fmt
     assert "output of this family" not in card
 
 
