@@ -215,10 +215,9 @@ def refuse_random_experts(plan: Plan, *, allowed: bool) -> None:
         return
     safe = [name for name, cls in FORMATS.items() if not cls.stock_transformers_loads]
     raise UsageError(f"refusing to write {plan.format.name}: {why}",
-                     hint=f"use {' or '.join(option('format', n) for n in safe)} (stock transformers refuses it with "
-                          "an error; vLLM with expq's plugin and expq.load_model run it), or pass "
-                          f"{option('allow_random_experts_in_transformers')} for a checkpoint never meant for stock "
-                          "transformers")
+                     hint=f"use {' or '.join(option('format', n) for n in safe)}, which stock transformers refuses "
+                          f"with an error instead, or pass {option('allow_random_experts_in_transformers')} for a "
+                          "checkpoint never meant for stock transformers")
 
 
 # --- --ray: the driver's steps ---------------------------------------------------------------------------------------

@@ -245,10 +245,13 @@ def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
 
 
 def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
-    """The card's first lines: each warning as a quoted paragraph."""
+    """The card's first lines: each warning as a quoted paragraph, naming the engines that do load it right."""
+    loaders = [{"vLLM": "vLLM", "expq": "`expq.load_model`"}.get(c.engine, c.engine)
+               for c in clients(ck.format.name, ck.layout, ck.experts.hidden_size) if c.loads]
+    right = f" {' and '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it right." if loaders else ""
     return [line for w in card_warnings(ck)
-            for line in (f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}. "
-                         "vLLM and `expq.load_model` load it right.", "")]
+            for line in (f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}."
+                         + right, "")]
 
 
 def _card_intro(m: Manifest, origin: Origin) -> str:

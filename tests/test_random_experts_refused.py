@@ -72,6 +72,7 @@ def test_cli_refuses_then_acknowledged_verify_inspect_and_card_say_it(tmp_path, 
     first = next(ln for ln in body.splitlines() if ln.startswith(">"))
     assert first.startswith("> **Warning: do not load this checkpoint with stock transformers.**"), body[:400]
     assert "randomly initialised routed experts" in first
+    assert first.endswith("`expq.load_model` loads it right.") and "vLLM" not in first  # vLLM cannot: GPT-OSS
     how = card.split("## How it was made", 1)[1].split("```")[1]
     assert "--format compressed-tensors" in how and FLAG in how, how
     assert res["warnings"][0] == rep.warnings[0]  # then what the card could not say (install line, licence...)
