@@ -121,6 +121,7 @@ def prepare(family: str, work: str, fmt: str, skip_convert: bool, sets: dict, ct
             continue
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "expq.cli", "convert", str(src), str(dst), "--format", f,
+                            "--allow-random-experts-in-transformers",  # vLLM is measured here, never stock transformers
                             "--overwrite"], capture_output=True, text=True)
         rec.setdefault("convert_s", round(time.perf_counter() - t, 2))
         if p.returncode != 0:

@@ -16,10 +16,12 @@ from typing import Callable
 
 from . import __version__
 from .devices import parse_devices, warm_up
-from .errors import HubError, Interrupted, UsageError
-from .formats import AUTO, FORMATS
+from .engines.clients import stock_transformers_misloads
+from .errors import HubError, Interrupted, UsageError, option
+from .formats import FORMATS
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
+from .options import check_convert, check_inspect
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
@@ -90,6 +92,7 @@ def inspect(src: str | Path, *, revision: str | None = None, layout: str | Path 
         SourceError, LayoutError: see ``source.resolve_source`` and ``plan.make_plan``.
         UsageError: a bad ``dtype`` or ``max_shard_size``.
     """
+    check_inspect(src, format=format, dtype=dtype, max_shard_size=max_shard_size)
     source = resolve_source(src, revision=revision, token=token)
     try:
         return make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
@@ -101,7 +104,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
             device: str = "auto", revision: str | None = None, max_shard_size: str | int = "5GB",
             overwrite: bool = False, layout: str | Path | Layout | None = None, allow_nonfinite: bool = False,
             token: str | None = None, fsync: bool = True, stream: bool = False, ray: str | None = None,
-            to_hub: str | None = None, private: bool = False,
+            to_hub: str | None = None, private: bool = False, allow_random_experts_in_transformers: bool = False,
             on_plan: Callable[[Plan], None] | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
@@ -117,7 +120,10 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         format: output format: ``auto`` (the family's default, see ``inspect``), ``compressed-tensors``
             (pack-quantized W8A16 channel-wise, what stock vLLM and transformers load) or ``experts-int8`` (int8
             codes and fp32 scales as vLLM's experts_int8 holds them; served by expq's vLLM plugin and loaded by
-            transformers after ``import expq``; stock clients refuse it).
+            transformers after ``import expq``; stock clients refuse it). A format that stock transformers would
+            load with randomly initialised experts for this family (``compressed-tensors`` for the families whose
+            layout says ``[clients] transformers = false``: granitemoe, qwen3_vl_moe, gpt_oss, dbrx) is refused
+            unless ``allow_random_experts_in_transformers``.
         dtype: compute dtype: ``auto`` (vLLM's ``--dtype auto`` rule), ``bfloat16``, ``float16`` or ``float32``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,cuda:1,...`` (results are identical on all; one
             pipeline per device, see ``pipeline``). While a CPU pipeline runs, torch is held to one intra-op thread
@@ -138,6 +144,9 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         to_hub: with ``ray``, publish to this Hub model repo instead of writing ``out`` (None): each task uploads
             its shards, the driver makes one commit with them, config, index, ``expq.json`` and the model card
             (``hub.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
+        allow_random_experts_in_transformers: write ``format`` even where stock transformers would load the result
+            with randomly initialised experts (a checkpoint only for vLLM or expq); ``verify`` and the model card
+            then say so.
         on_plan: called with the plan before any work; on_progress: called after each source tensor with
             (its bytes, output shards finished so far); an exception either raises stops the conversion cleanly.
             With ``ray``, once per task, with its source bytes.
@@ -146,23 +155,22 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         ConvertReport.
 
     Raises:
-        UsageError: bad options or output location; ``stream`` with a local directory. SourceError, LayoutError:
+        UsageError: bad options or output location; ``stream`` with a local directory; a ``format`` stock
+            transformers would load with random experts, without ``allow_random_experts_in_transformers``.
+            SourceError, LayoutError:
             see ``inspect``. HubError: with ``stream``, a shard download failed or does not match the listing.
         NonFiniteError: a routed-expert row holds NaN/inf (names tensor, expert and row).
         On any error nothing is left under a final name in ``out``.
     """
     t0 = time.perf_counter()
-    if format not in FORMATS and format != AUTO:
-        raise UsageError(f"unknown --format {format!r}; supported: {AUTO}, {', '.join(FORMATS)}")
-    _check_targets(out, ray, to_hub)
-    if ray is not None and stream and Path(src).expanduser().exists():
-        raise UsageError("--stream applies to Hub repo ids; SRC is a local directory (convert it without --stream)",
-                         file=str(src))
+    check_convert(src, out, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size, stream=stream,
+                  ray=ray, to_hub=to_hub)
     if ray is not None:
         return _convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                device=device, revision=revision, max_shard_size=max_shard_size, overwrite=overwrite,
                                layout=layout, allow_nonfinite=allow_nonfinite, token=token, fsync=fsync,
-                               on_plan=on_plan, on_progress=on_progress, t0=t0)
+                               allow_random_experts=allow_random_experts_in_transformers, on_plan=on_plan,
+                               on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
     warm_up(devices)
     with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
@@ -170,6 +178,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
             plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        refuse_random_experts(plan, allowed=allow_random_experts_in_transformers)
         settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
         outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
         if outdir.up_to_date():
@@ -194,20 +203,28 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
     return make_report(plan, outdir, man, devices, time.perf_counter() - t0, feeder)
 
 
-def _check_targets(out, ray: str | None, to_hub: str | None) -> None:
-    if to_hub is not None and ray is None:
-        raise UsageError("--to-hub needs --ray: its tasks upload the shards they write (on one machine, convert "
-                         "to OUT and run `expq push OUT REPO`)")
-    if to_hub is not None and out is not None:
-        raise UsageError("give OUT or --to-hub, not both")
-    if to_hub is None and out is None:
-        raise UsageError("missing OUT (or --to-hub REPO with --ray)")
+def refuse_random_experts(plan: Plan, *, allowed: bool) -> None:
+    """Refuse a plan whose output stock transformers would load with randomly initialised routed experts
+    (``engines.clients.stock_transformers_misloads``), unless ``allowed``.
+
+    Raises:
+        UsageError: naming the format, the family, why, and the formats stock transformers refuses instead.
+    """
+    why = stock_transformers_misloads(plan.format, plan.layout)
+    if not why or allowed:
+        return
+    safe = [name for name, cls in FORMATS.items() if not cls.stock_transformers_loads]
+    raise UsageError(f"refusing to write {plan.format.name}: {why}",
+                     hint=f"use {' or '.join(option('format', n) for n in safe)}, which stock transformers refuses "
+                          f"with an error instead, or pass {option('allow_random_experts_in_transformers')} for a "
+                          "checkpoint never meant for stock transformers")
 
 
 # --- --ray: the driver's steps ---------------------------------------------------------------------------------------
 def _convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool, format: str, dtype: str,
                     device: str, revision: str | None, max_shard_size, overwrite: bool, layout, allow_nonfinite: bool,
-                    token: str | None, fsync: bool, on_plan, on_progress, t0: float) -> ConvertReport:
+                    token: str | None, fsync: bool, allow_random_experts: bool, on_plan, on_progress,
+                    t0: float) -> ConvertReport:
     """``convert`` with ``ray``: connect; open the source from headers only; plan; the source's identity (by a
     task, for a directory); then into OUT (``_ray_into_out``) or to the Hub (``_ray_to_hub``)."""
     from . import cluster
@@ -222,6 +239,7 @@ def _convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool
             plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        refuse_random_experts(plan, allowed=allow_random_experts)
         identity = cluster.source_identity(ray, source) if listing is None else None
         settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=identity)
         run = _RayRun(ray, plan, settings, listing, device=device, allow_nonfinite=allow_nonfinite, fsync=fsync,

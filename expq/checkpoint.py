@@ -216,3 +216,20 @@ def _read_index(root: Path) -> tuple[dict | None, dict[str, str] | None, list[st
     if (root / SINGLE_NAME).is_file():
         return None, None, [SINGLE_NAME]
     raise SourceError("no model.safetensors or index", file=str(root))
+
+
+def open_checkpoint(path: str | Path) -> ConvertedCheckpoint:
+    """``ConvertedCheckpoint(path)`` for the commands that read a converted checkpoint (verify, run, push,
+    load_model): a directory that is not one is unreadable input (exit status 2), not a conversion error.
+
+    Raises:
+        UsageError: as ``ConvertedCheckpoint``. UnreadableInputError: any other reason it cannot be read.
+    """
+    from .errors import ExpqError, UnreadableInputError, UsageError
+
+    try:
+        return ConvertedCheckpoint(path)
+    except UsageError:
+        raise
+    except ExpqError as e:
+        raise UnreadableInputError.from_error(e) from None

@@ -1,8 +1,9 @@
 """The ``expq`` command line: parse, call the Python API, render with rich. No work happens here that the API does
 not expose.
 
-Exit status: 0 success; 1 a failed check or a conversion error (one line naming file/tensor/expert/row); 2 usage
-errors and unreadable input. Set ``EXPQ_DEBUG=1`` to see tracebacks.
+Exit statuses are the README's ("Promises, and exit statuses"): 0 success; 1 a failed check or a conversion error
+(one line naming file/tensor/expert/row); 2 usage errors and unreadable input; 3-7 the Hub's answers; 128 + the
+signal when interrupted. Set ``EXPQ_DEBUG=1`` to see tracebacks.
 
 Output: user text (paths, tensor names, prompts, generated text, error messages) is always printed literally, never
 as rich markup. On a terminal, rich tables and bars; when stdout or stderr is not a terminal, plain lines that are
@@ -14,6 +15,7 @@ generated text never go through rich when piped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -25,12 +27,28 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperArgument, TyperCommand
 
-from .errors import ExpqError
-from .progress import ProgressLines, interactive, is_tty, quiet_hub_bars
+from . import options
+from .errors import ExpqError, cli_options
+from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
+
+
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments the usual way (``SRC [OUT]``: required bare, optional in
+    brackets), not as typer writes a required one (``{src}``)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, TyperArgument):
+                pieces.append(p.display_name_raw if p.required else f"[{p.display_name_raw}]")
+        return pieces
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Exact experts-only int8 (vLLM experts_int8) conversion of Hugging Face MoE checkpoints.")
+command = functools.partial(app.command, cls=_Command)
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
@@ -70,9 +88,10 @@ def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequ
 def errors_to_exit_codes():
     """The one error handler: an ``ExpqError`` becomes its one line and its exit status; Ctrl-C 130; anything else
     one line and 1 (``EXPQ_DEBUG=1`` re-raises, for the traceback). User text is printed literally, never as
-    markup."""
+    markup. Messages made inside name options as this command line's flags (``errors.cli_options``)."""
     try:
-        yield
+        with cli_options():
+            yield
     except (typer.Exit, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001
@@ -91,14 +110,20 @@ def errors_to_exit_codes():
         raise typer.Exit(code) from None
 
 
+def _warn(warnings: Iterable[str]) -> None:
+    """Warnings a user must not miss: one bold line each on stderr."""
+    for w in warnings:
+        _say(Text(f"WARNING: {w}", style="bold red"), stderr=True)
+
+
 def _human(n: float) -> str:
     """Decimal sizes, as the Hub shows them (rich's own formatter)."""
     return decimal(int(n), precision=2)
 
 
-@app.command()
+@command()
 def convert(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
     out_dir: Annotated[Optional[Path], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
                                                       "be empty); omitted with --to-hub.")] = None,
     format: Annotated[str, typer.Option("--format", help="Output format: auto (the family's default; inspect says "
@@ -129,9 +154,19 @@ def convert(
                                                   help="With --ray: publish to this Hub model repo instead of OUT "
                                                        "(the tasks upload their shards; one commit).")] = None,
     private: Annotated[bool, typer.Option("--private", help="With --to-hub: create the repo private.")] = False,
+    allow_random_experts_in_transformers: Annotated[bool, typer.Option(
+        "--allow-random-experts-in-transformers",
+        help="Write a --format that stock transformers would load with randomly initialised experts for this "
+             "family (compressed-tensors where the family's layout says [clients] transformers = false; inspect "
+             "warns), for a checkpoint only meant for vLLM or expq; refused without this flag. verify and the "
+             "model card say so.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
+    with errors_to_exit_codes():  # usage errors first: before torch is imported and the source opened
+        options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
+                              stream=stream, ray=ray, to_hub=to_hub)
+        interval()
     from .api import convert as api_convert
 
     quiet_hub_bars()
@@ -140,7 +175,8 @@ def convert(
         report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
                              max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
                              allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray, to_hub=to_hub,
-                             private=private, on_plan=bar.on_plan, on_progress=bar.on_progress)
+                             private=private, allow_random_experts_in_transformers=allow_random_experts_in_transformers,
+                             on_plan=bar.on_plan, on_progress=bar.on_progress)
     if as_json:
         print(json.dumps(report.to_dict()))
         return
@@ -224,9 +260,9 @@ class _ConvertProgress:
             self.lines.advance(nbytes, shards_done)
 
 
-@app.command()
+@command()
 def inspect(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: a local directory or a Hub repo id.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
     revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
     layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
@@ -237,6 +273,8 @@ def inspect(
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor and what happens to it.")] = False,
 ) -> None:
     """Show what convert would do, without writing anything."""
+    with errors_to_exit_codes():
+        options.check_inspect(src, format=format, dtype=dtype, max_shard_size=max_shard_size)
     from .api import inspect as api_inspect
 
     quiet_hub_bars()
@@ -273,13 +311,14 @@ def inspect(
     if s["skipped_files"]:
         rows.append(("not copied (other weight formats)", ", ".join(s["skipped_files"][:6])))
     _table(f"expq inspect {s['source']}", None, rows)
+    _warn(s["warnings"])
     if tensors:  # on a terminal, long names fold onto the next line rather than being cut
         _table(None, ("tensor", "dtype", "shape", "action"),
                ((Text(row["name"], overflow="fold"), row["dtype"], str(row["shape"]),
                  row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")) for row in s["tensors"]))
 
 
-@app.command()
+@command()
 def verify(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
     source: Annotated[Optional[str], typer.Option(help="Source checkpoint (directory or Hub repo id): adds the "
@@ -287,15 +326,19 @@ def verify(
     device: Annotated[str, typer.Option(help="Where the kernel check runs: auto, cpu, cuda, cuda:N.")] = "auto",
     tokens: Annotated[int, typer.Option(help="Random tokens per MoE layer for the kernel check.")] = 64,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of --source.")] = None,
+    token: Annotated[Optional[str], typer.Option(help="Hub token for --source (default: HF_TOKEN or your login).",
+                                                 show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
+    with errors_to_exit_codes():
+        options.check_verify(device=device, tokens=tokens)
     from .verifier import verify as api_verify
 
     quiet_hub_bars()
     with errors_to_exit_codes():
-        report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision)
+        report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision, token=token)
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
@@ -328,10 +371,11 @@ def _print_verify(report) -> None:
          f"{report.tokens} tokens per layer; {report.seconds:.1f} s")
     for p in report.problems[:10]:
         _say(Text("  problem: ", style="red") + Text(p), stderr=True)
+    _warn(report.warnings)
     _say(Text(report.verdict, style="bold green" if report.ok else "bold red"))
 
 
-@app.command()
+@command()
 def run(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
     prompt: Annotated[str, typer.Option(help="Prompt text (or space-separated token ids if the checkpoint has no "
@@ -340,6 +384,8 @@ def run(
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: CUDA if available).")] = None,
 ) -> None:
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
+    with errors_to_exit_codes():
+        options.check_run(device=device, max_new_tokens=max_new_tokens, prompt=prompt)
     from .runtime import generate
 
     quiet_hub_bars()
@@ -354,10 +400,11 @@ def run(
         _say(" ".join(str(t) for t in g.new_ids))
 
 
-@app.command()
+@command()
 def push(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
-    repo_id: Annotated[str, typer.Argument(help="Hub model repo, namespace/name (created if needed).")],
+    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, namespace/name (created if "
+                                                                   "needed).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created if missing).")] = None,
     create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead.")] = False,
@@ -366,16 +413,32 @@ def push(
                                                  show_default=False)] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Push without verifying first.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the files and the model card; no network.")] = False,
+    install: Annotated[Optional[str], typer.Option(
+        "--install", metavar="COMMAND",
+        help="The command the card gives to install expq, e.g. "
+             "'pip install \"expq @ git+https://HOST/ORG/expq@COMMIT\"' (default: $EXPQ_INSTALL, else derived from how "
+             "this expq was installed; a warning when unknown).",
+        show_default=False)] = None,
+    base_model: Annotated[Optional[str], typer.Option(
+        "--base-model", metavar="REPO_ID", help="The card's base_model: the source's Hub repo id, for a checkpoint "
+        "converted from a local directory (default: the repo convert recorded).", show_default=False)] = None,
+    license: Annotated[Optional[str], typer.Option(
+        "--license", metavar="ID", help="The card's licence, a Hub licence id such as apache-2.0 (default: the "
+        "source card's).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object.")] = False,
 ) -> None:
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
+    with errors_to_exit_codes():
+        options.check_repo_id(repo_id)
     from .hub import push as api_push
     from .hub import report_json
 
     quiet_hub_bars()
     with errors_to_exit_codes():
         res = api_push(out_dir, repo_id, private=private, revision=revision, create_pr=create_pr,
-                       commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run)
+                       commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run,
+                       install=install, base_model=base_model, license=license)
+    _warn(res.warnings)
     if as_json:
         print(report_json(res))
         return
@@ -399,7 +462,7 @@ def main() -> None:
         app.rich_markup_mode = None
     try:
         with errors_to_exit_codes():
-            app()
+            app(prog_name="expq")  # also under python -m expq.cli (the demo)
     except typer.Exit as ex:
         sys.exit(ex.exit_code)
 

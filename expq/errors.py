@@ -2,6 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+
+# How messages name the options that change an outcome: as Python parameters (``skip_verify=True``), or, while the
+# command line runs (``cli_options``), as its flags (``--skip-verify``). Process-wide, so that worker threads follow.
+_CLI = False
+
+
+def option(name: str, value: object = True) -> str:
+    """An option as the caller spells it: ``option("skip_verify")`` is ``skip_verify=True`` in Python and
+    ``--skip-verify`` on the command line; ``option("format", "experts-int8")`` is ``format='experts-int8'`` or
+    ``--format experts-int8``. Messages call it when they are made (see ``cli_options``).
+
+    Example:
+        >>> option("skip_verify"), option("format", "auto")
+        ('skip_verify=True', "format='auto'")
+    """
+    if not _CLI:
+        return f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+@contextlib.contextmanager
+def cli_options():
+    """While inside, ``option`` spells options as command-line flags (the CLI wraps each command in it)."""
+    global _CLI
+    before, _CLI = _CLI, True
+    try:
+        yield
+    finally:
+        _CLI = before
+
 
 class ExpqError(Exception):
     """A user-facing error. ``str(err)`` is one line that names where the problem is.

@@ -8,24 +8,34 @@ on 1.x), then a check that the remote files have the local sizes and hashes. The
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import ConvertedCheckpoint
-from .engines.clients import clients
-from .errors import ExpqError, UnreadableInputError, UsageError
+from .checkpoint import ConvertedCheckpoint, open_checkpoint
+from .engines.clients import clients, stock_transformers_misloads
+from .errors import ExpqError, UsageError, option
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
+from .options import check_repo_id
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
 IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
           "*.tmp", "*.partial", "*.lock", "__pycache__/*"]
 class PushError(ExpqError):
-    """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload."""
+    """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload.
+
+    ``exit_code`` follows the read side's (README, exit statuses): 3 the repo is not found, 4 no write access (403),
+    5 the token is rejected (401), 6 the Hub cannot be reached; 1 otherwise."""
+
+    def __init__(self, message: str, *, exit_code: int = 1, **kw):
+        self.exit_code = exit_code
+        super().__init__(message, **kw)
 
 
 @dataclass
@@ -43,6 +53,7 @@ class PushReport:
     pr_url: str | None = None
     card: str = ""
     checked_remote: int = 0
+    warnings: list[str] = field(default_factory=list)  # said loudly by the CLI; also at the top of the card
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +89,77 @@ def _git_blob_sha1(p: Path) -> str:
     return git_hash(p.read_bytes())
 
 
+INSTALL_ENV = "EXPQ_INSTALL"  # the card's install command, when push is not given one
+
+
+@dataclass(frozen=True)
+class Install:
+    """The command a reader of the card runs to install expq (it is on no package index), and whether it is known
+    to work (``why`` says how it was found, or why it is a placeholder)."""
+
+    command: str
+    runnable: bool
+    why: str
+
+
+def install_line(install: str | None = None) -> Install:
+    """How the card tells its readers to install expq: ``install`` if given, else ``$EXPQ_INSTALL``, else a
+    ``pip install "expq @ git+URL@COMMIT"`` line derived from how this expq was installed (pip's
+    ``direct_url.json`` of a git or archive install; for a checkout, its git remote and a commit that remote holds),
+    else a placeholder with this version's commit that a push warns about."""
+    given = install or os.environ.get(INSTALL_ENV, "").strip()
+    if given:
+        return Install(given, True, "given" if install else f"from ${INSTALL_ENV}")
+    url, commit = _installed_from()
+    if url:
+        return Install(f'pip install "expq @ {url}"', True, "from where this expq was installed")
+    ref = commit[:12] if commit else f"v{__version__}"
+    return Install(f'pip install "expq @ git+https://<the expq repository>@{ref}"', False,
+                   "expq is on no package index, and this expq was installed from a directory without a public git "
+                   f"remote holding its commit: pass the install command ({option('install', '...')} or "
+                   f"${INSTALL_ENV})")
+
+
+def _installed_from() -> tuple[str | None, str | None]:
+    """(a pip requirement URL this expq can be installed from by anyone, or None; the git commit of this expq if
+    known)."""
+    from importlib import metadata
+
+    info = next((json.loads(t) for d in metadata.distributions(name="expq")
+                 if (t := d.read_text("direct_url.json"))), {})
+    url = info.get("url", "")
+    vcs = info.get("vcs_info") or {}
+    if vcs.get("vcs") == "git" and vcs.get("commit_id") and not url.startswith("file:"):
+        return f"git+{url}@{vcs['commit_id']}", vcs["commit_id"]
+    if "archive_info" in info and url.startswith(("http://", "https://")):
+        return url, None
+    return _checkout_remote(Path(__file__).resolve().parent.parent)
+
+
+def _checkout_remote(root: Path) -> tuple[str | None, str | None]:
+    """For a git checkout at ``root``: (``git+URL@COMMIT`` when a non-local remote holds HEAD, else None; HEAD)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None, None
+    for remote in git("remote").split():
+        url = git("remote", "get-url", remote)
+        if url.startswith("git@") and ":" in url:  # scp-like syntax: pip wants ssh://
+            url = "ssh://" + url.replace(":", "/", 1)
+        if url.startswith(("https://", "http://", "ssh://")) and git("branch", "-r", "--contains", head,
+                                                                     "--list", f"{remote}/*"):
+            return f"git+{url}@{head}", head
+    return None, head
+
+
 def _human(n: float) -> str:
     """Decimal sizes, as the Hub shows them (rich's own formatter)."""
     from rich.filesize import decimal
@@ -85,13 +167,34 @@ def _human(n: float) -> str:
     return decimal(int(n), precision=2)
 
 
-def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
+@dataclass(frozen=True)
+class Origin:
+    """Where a converted checkpoint came from, as its card says: the base model's repo id (None when unknown), the
+    source revision or commit, the licence (None when unknown)."""
+
+    base_model: str | None
+    revision: str | None
+    license: str | None
+
+
+def card_origin(m: Manifest, *, base_model: str | None = None, license: str | None = None) -> Origin:
+    """The card's base model and licence: the ones given, else those ``expq.json`` recorded (the source's repo id;
+    the source card's licence). The revision is the source commit (a Hub snapshot's, or the one a
+    ``hf download --local-dir`` copy records) or the revision asked for."""
+    return Origin(base_model or m.source.repo_id, m.source.commit or m.source.revision,
+                  license or m.source_card.get("license"))
+
+
+def model_card(out: str | Path, repo_id: str, verify_report=None, *, install: str | None = None,
+               base_model: str | None = None, license: str | None = None) -> str:
     """The model card (README.md text) for a converted checkpoint, from what ``convert`` recorded in ``expq.json``.
 
-    The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo; its revision is in
-    the body), ``base_model_relation: quantized``, ``library_name``, the tags, and the source card's licence and other
-    metadata. The body: the scheme in words, what was quantized and what was kept, how it was made, the verify
-    results, how to serve it.
+    The YAML header (``huggingface_hub.ModelCardData``) carries ``base_model`` (the source repo, or ``base_model``;
+    its revision is in the body), ``base_model_relation: quantized``, ``library_name`` (``transformers`` where stock
+    transformers loads it right, else ``expq``), the tags, the licence (``license``, else the source card's) and the
+    source card's other metadata. The body: the scheme in words, what was quantized and what was kept, how it was
+    made, the verify results, how to serve it. ``install``: the command that installs expq for the card's readers
+    (see ``install_line``).
 
     Raises:
         UsageError: OUT has no expq.json. SourceError: OUT is not a converted checkpoint, or its expq.json is not
@@ -105,37 +208,66 @@ def model_card(out: str | Path, repo_id: str, verify_report=None) -> str:
         raise UsageError(f"no {MANIFEST} in OUT: not written by expq convert, so there is nothing true to say",
                          file=str(out))
     name = repo_id.split("/")[-1]
-    lines = [f"# {name}", "", _card_intro(m), "", *_card_scheme(ck, m), "", *_card_contents(ck, m), "",
-             *_card_how_made(ck, m, name), "", *_card_verification(m, verify_report), "",
-             *_card_usage(ck, m, repo_id)]
-    return str(ModelCard(f"---\n{_card_data(ck, m).to_yaml()}\n---\n\n" + "\n".join(lines)))
+    how = install_line(install)
+    origin = card_origin(m, base_model=base_model, license=license)
+    lines = [f"# {name}", "", *_card_warning(ck), _card_intro(m, origin), "", *_card_scheme(ck, m), "",
+             *_card_contents(ck, m), "",
+             *_card_how_made(ck, m, name, how), "", *_card_verification(m, verify_report, origin), "",
+             *_card_usage(ck, m, repo_id, how)]
+    return str(ModelCard(f"---\n{_card_data(ck, m, origin).to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _card_data(ck: ConvertedCheckpoint, m: Manifest):
+def _card_data(ck: ConvertedCheckpoint, m: Manifest, origin: Origin):
     from huggingface_hub import ModelCardData
 
     carried = {k: v for k, v in m.source_card.items()
                if k not in ("base_model", "base_model_relation", "tags", "library_name", "model-index",
-                            "quantized_by")}
+                            "quantized_by", "license")}
     tags = list(dict.fromkeys([*(m.source_card.get("tags") or []), *TAGS, ck.format.name]))
-    data = ModelCardData(base_model=m.source.repo_id or None, library_name="transformers", tags=tags, **carried)
+    data = ModelCardData(base_model=origin.base_model, library_name=library_name(ck), tags=tags,
+                         license=origin.license, **carried)
     data.base_model_relation = "quantized"
     return data
 
 
-def _card_intro(m: Manifest) -> str:
+def library_name(ck: ConvertedCheckpoint) -> str:
+    """The card's ``library_name``: ``transformers`` where stock transformers loads the checkpoint with the right
+    experts, else ``expq`` (stock transformers refuses experts-int8, and would run random experts for a family whose
+    layout says ``[clients] transformers = false``)."""
+    right = ck.format.stock_transformers_loads and not stock_transformers_misloads(ck.format, ck.layout)
+    return "transformers" if right else "expq"
+
+
+def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
+    """What a reader of the card must not miss: stock transformers would load this checkpoint with randomly
+    initialised experts (``engines.clients.stock_transformers_misloads``)."""
+    return [w for w in (stock_transformers_misloads(ck.format, ck.layout),) if w]
+
+
+def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
+    """The card's first lines: each warning as a quoted paragraph, naming the engines that do load it right."""
+    loaders = [{"vLLM": "vLLM", "expq": "`expq.load_model`"}.get(c.engine, c.engine)
+               for c in clients(ck.format.name, ck.layout, ck.experts.hidden_size) if c.loads]
+    right = f" {' and '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it right." if loaders else ""
+    return [line for w in card_warnings(ck)
+            for line in (f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}."
+                         + right, "")]
+
+
+def _card_intro(m: Manifest, origin: Origin) -> str:
     src, dec = m.source, m.decoded
     decoded = "" if dec is None else (
         f" The source is published as {dec.source_format}; expq decoded it to {m.plan.compute_dtype} first, exactly "
         "as the vendor's own conversion does, so the result equals converting the unquantized release ("
         + ", ".join(f"{n} {how}" for how, n in dec.tensors_decoded.items()) + ").")
-    return _card_intro_text(src) + decoded
+    return _card_intro_text(src, origin) + decoded
 
 
-def _card_intro_text(src) -> str:
-    if src.repo_id:
-        return (f"[{src.repo_id}](https://huggingface.co/{src.repo_id}) at revision "
-                f"`{src.commit or src.revision}` with its **routed experts quantized to int8** exactly as vLLM's "
+def _card_intro_text(src, origin: Origin) -> str:
+    if origin.base_model:
+        rev = f"revision `{origin.revision}`" if origin.revision else "a revision expq did not record"
+        return (f"[{origin.base_model}](https://huggingface.co/{origin.base_model}) at {rev} "
+                "with its **routed experts quantized to int8** exactly as vLLM's "
                 "`experts_int8` method quantizes them at load time, so you download, store and load about half the "
                 "expert bytes and skip the online step. Everything else is byte-for-byte the original.")
     return (f"`{src.name}` with its **routed experts quantized to int8** exactly as vLLM's `experts_int8` method "
@@ -165,22 +297,26 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
             f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
 
 
-def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str) -> list[str]:
+def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
     command = m.command or "expq convert SRC OUT"
     if not m.source.repo_id:  # a local source: its folder name alone is not a path a reader has
-        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" path/to/{shlex.quote(m.source.name)} OUT", 1)
-    return ["## How it was made", "", "```bash", f"pip install expq=={m.expq_version}",
-            command.replace(" OUT", " " + name, 1), "```", "",
+        placeholder = shlex.quote(f"path/to/{m.source.name}")
+        command = command.replace(f" {shlex.quote(m.source.name)} OUT", f" {placeholder} OUT", 1)
+    if card_warnings(ck):  # the acknowledgement convert asks for before writing such a checkpoint
+        command += " --allow-random-experts-in-transformers"
+    return ["## How it was made", "", "```bash", how.command, command.replace(" OUT", " " + name, 1), "```", "",
             f"expq {m.expq_version}, output format {ck.format.name}" + (
                 f" (compressed-tensors config version {ck.quantization_config['version']})."
                 if "version" in ck.quantization_config else ".")]
 
 
-def _card_verification(m: Manifest, report) -> list[str]:
+def _card_verification(m: Manifest, report, origin: Origin) -> list[str]:
     lines = ["## Verification", ""]
     if report is None:
-        return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source "
-                        f"{m.source.repo_id or m.source.name}` to check it."]
+        source = shlex.join([origin.base_model, *(["--revision", origin.revision] if origin.revision else [])]) \
+            if origin.base_model else shlex.quote(f"path/to/{m.source.name}")
+        return lines + [f"Not verified at push time (`--skip-verify`). Run `expq verify . --source {source}` to "
+                        "check it."]
     lines += [f"`expq verify` at push time: **{report.verdict}**", "", "| check | result |", "|---|---|"]
     lines += [f"| {c.name} | {'pass' if c.ok else 'FAIL'} |" for c in report.checks]
     errs = [r.kernel_rel_err for r in report.layers if r.kernel_rel_err is not None]
@@ -190,21 +326,37 @@ def _card_verification(m: Manifest, report) -> list[str]:
     return lines
 
 
-def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str) -> list[str]:
-    """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``)."""
+def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str, how: Install) -> list[str]:
+    """Per engine, the command that loads this checkpoint, or why that engine cannot (``engines.clients``); first,
+    how to install expq, which the commands that import it need."""
     lay = ck.layout
-    lines = ["## How to use it", "", f"Format: **{ck.format.name}**" + (
-        f" ({lay.format_reason})." if ck.format.name == lay.default_format and lay.format_reason else ".")]
+    lines = ["## How to use it", "", _card_format(ck), "",
+             "expq is not on a package index; where a command below uses it, install it first:", "", "```bash",
+             how.command, "```"]
     for c in clients(ck.format.name, lay, m.plan.hidden_size):
         lines += ["", f"### {c.engine}", ""]
         if c.loads:
-            lines += [f"```{c.language}", c.for_model(repo_id), "```"] + (["", c.note] if c.note else [])
+            lines += [f"```{c.language}", c.for_model(repo_id, how.command), "```"] + (["", c.note] if c.note else [])
             lines += (["", "Per version and GPU:", ""] + [f"- {when}: `{cmd}`" for when, cmd in
                                                           c.variant_lines(repo_id)]) if c.variants else []
         else:
             lines.append((c.note if c.note[:1].isupper() or c.note.startswith("vLLM") else
                           c.note[0].upper() + c.note[1:]) + ".")
     return lines + [""]
+
+
+def _card_format(ck: ConvertedCheckpoint) -> str:
+    """The format, and why, in terms of this checkpoint (not of the output another format would have been)."""
+    fmt, lay = ck.format, ck.layout
+    line = f"Format: **{fmt.name}**"
+    if fmt.name != lay.default_format:
+        return line + "."
+    if not fmt.stock_transformers_loads and not lay.stock_transformers:
+        return line + (" (this family's default: stock transformers cannot map per-expert quantized tensors onto "
+                       "this family's stacked experts, so from a checkpoint it reads it would run randomly "
+                       "initialised experts; it refuses this one with an error, and transformers after `import expq` "
+                       "and expq.load_model load it).")
+    return line + (f" ({lay.format_reason})." if lay.format_reason else ".")
 
 
 def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
@@ -225,12 +377,33 @@ def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
     return ", ".join(parts)
 
 
+def _publishing_warnings(m: Manifest, install: str | None, base_model: str | None, license: str | None) -> list[str]:
+    """What the card cannot say truly: where to install expq from, which model it quantizes, its licence."""
+    out = []
+    how = install_line(install)
+    if not how.runnable:
+        out.append(f"the card's install line is a placeholder ({how.command}): {how.why}")
+    origin = card_origin(m, base_model=base_model, license=license)
+    src = m.source
+    if origin.base_model is None:
+        copy = (f", a `hf download --local-dir` copy of commit {src.commit} (which does not record the repo id)"
+                if src.commit else "")
+        out.append(f"the card has no base_model: the source was the local directory {src.name}{copy}; pass "
+                   f"{option('base_model', 'ORG/NAME')}")
+    elif src.repo_id and origin.base_model != src.repo_id:
+        out.append(f"the card's base_model is {origin.base_model}, but expq.json records the source {src.repo_id}")
+    if origin.license is None:
+        out.append(f"the card has no licence (the source card has none): pass {option('license', 'ID')}, a Hub "
+                   "licence id such as apache-2.0")
+    return out
+
+
 def hub_token(token: str | None) -> str:
     from huggingface_hub import get_token
 
     tok = token or get_token()
     if not tok:
-        raise PushError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login`")
+        raise PushError(f"no Hugging Face token: pass {option('token', 'TOKEN')}, set HF_TOKEN or run `hf auth login`")
     return tok
 
 
@@ -240,7 +413,8 @@ def _scrub(msg: str, token: str | None) -> str:
 
 def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          create_pr: bool = False, commit_message: str | None = None, token: str | None = None,
-         skip_verify: bool = False, dry_run: bool = False, device: str = "auto") -> PushReport:
+         skip_verify: bool = False, dry_run: bool = False, device: str = "auto",
+         install: str | None = None, base_model: str | None = None, license: str | None = None) -> PushReport:
     """Publish a converted checkpoint to the Hub.
 
     Args:
@@ -253,6 +427,13 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         skip_verify: push even if ``verify`` fails (or without running it).
         dry_run: print what would be uploaded and the card; no network, nothing written.
         device: where the verification's kernel check runs (``auto``, ``cpu``, ``cuda``...).
+        install: the command the card gives its readers to install expq (default ``$EXPQ_INSTALL``, else derived
+            from how this expq was installed; see ``install_line``). When none is known to work, the card holds a
+            placeholder and the report's ``warnings`` say so.
+        base_model: the card's ``base_model`` (the source's Hub repo id), for a checkpoint converted from a local
+            directory (default: the repo id ``expq.json`` records; a warning when there is none).
+        license: the card's licence (a Hub licence id such as ``apache-2.0``; default: the source card's; a warning
+            when there is none).
 
     Returns:
         PushReport.
@@ -263,65 +444,94 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         UsageError: a bad repo id, or OUT has no expq.json. SourceError: OUT is not a converted checkpoint.
     """
     out = Path(out)
-    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1:
-        raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
-    try:
-        ConvertedCheckpoint(out)  # raises if OUT is not a converted checkpoint
-    except UsageError:
-        raise
-    except ExpqError as e:
-        raise UnreadableInputError.from_error(e) from None
-    report = None
-    if not skip_verify:
-        from .verifier import verify
-
-        report = verify(out, device=device, tokens=16)
-        if not report.ok:
-            raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
-                            hint="fix the checkpoint, or pass --skip-verify")
-    card = model_card(out, repo_id, report)
-    files = local_files(out)
-    if not any(f["path"] == "README.md" for f in files):
-        files.append({"path": "README.md", "size": len(card.encode()), "sha256": ""})
-    total = sum(f["size"] for f in files)
-    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files, bytes=total,
-                     verified=None if report is None else report.ok,
-                     verify_verdict=None if report is None else report.verdict, card=card)
+    check_repo_id(repo_id)
+    ck = open_checkpoint(out)  # raises if OUT is not a converted checkpoint
+    report = None if skip_verify else _verify_before_push(out, device)
+    card = model_card(out, repo_id, report, install=install, base_model=base_model, license=license)
+    files = with_card(local_files(out), card)
+    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files,
+                     bytes=sum(f["size"] for f in files), verified=None if report is None else report.ok,
+                     verify_verdict=None if report is None else report.verdict, card=card,
+                     warnings=card_warnings(ck) + _publishing_warnings(ck.manifest, install, base_model, license))
     if dry_run:
         return res
     tok = hub_token(token)  # before anything is written
-    (out / "README.md").write_text(card)
-    files = local_files(out)
-    res.files, res.bytes = files, sum(f["size"] for f in files)
-    try:
-        _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
-                commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",
-                token=tok)
-    except ExpqError as e:
-        e.message = _scrub(e.message, tok)
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, repo_id, tok) from None
+    with card_in_place(out / "README.md", card):  # the previous README.md comes back if the push fails
+        try:
+            _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
+                    commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",
+                    token=tok)
+        except ExpqError as e:
+            e.message = _scrub(e.message, tok)
+            Exception.__init__(e, e._line())  # the line printed is the scrubbed one
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise translate_hub_error(e, repo_id, tok) from None
     return res
 
+
+def _verify_before_push(out: Path, device: str):
+    from .verifier import verify
+
+    report = verify(out, device=device, tokens=16)
+    if not report.ok:
+        raise PushError(f"verify failed, refusing to push: {report.verdict.removeprefix('FAIL: ')}",
+                        hint=f"fix the checkpoint, or pass {option('skip_verify')}")
+    return report
+
+
+def with_card(files: list[dict], card: str) -> list[dict]:
+    """The files a push uploads: OUT's, with README.md being the card (its size and sha256), not what OUT holds
+    under that name now (the source's card, or an earlier one)."""
+    import hashlib
+
+    data = card.encode()
+    entry = {"path": "README.md", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return [entry if f["path"] == "README.md" else f for f in files] + \
+        ([] if any(f["path"] == "README.md" for f in files) else [entry])
+
+
+@contextlib.contextmanager
+def card_in_place(path: Path, card: str):
+    """Put the card at ``path`` (OUT/README.md) for the upload, each change a single rename; if the block raises
+    (or is interrupted), put back what was there before (the file's bytes, or its link), or nothing."""
+    tmp = path.with_name(f".{path.name}.expq-card")
+    old_link = os.readlink(path) if path.is_symlink() else None
+    old = path.read_bytes() if old_link is None and path.is_file() else None
+    tmp.unlink(missing_ok=True)
+    tmp.write_text(card)
+    os.replace(tmp, path)
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if old_link is not None:
+            os.symlink(old_link, tmp)
+        elif old is not None:
+            tmp.write_bytes(old)
+        if old_link is not None or old is not None:
+            os.replace(tmp, path)
+        else:
+            path.unlink(missing_ok=True)
+        raise
 
 def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     status = getattr(getattr(e, "response", None), "status_code", None)
     text = _scrub(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
+    resume = "re-run the same command to resume; finished files are not uploaded again"
     if isinstance(e, RepositoryNotFoundError) or status == 404:
-        return PushError(f"repo {repo_id} not found or not accessible with this token: {text}")
+        return PushError(f"repo {repo_id} not found or not accessible with this token: {text}", exit_code=3)
     if status == 401:
-        return PushError(f"the Hub rejected the token (401): {text}", hint="check --token / HF_TOKEN")
+        return PushError(f"the Hub rejected the token (401): {text}", exit_code=5,
+                         hint=f"check {option('token', 'TOKEN')} / HF_TOKEN")
     if status == 403:
-        return PushError(f"no write permission to {repo_id} with this token (403)",
+        return PushError(f"no write permission to {repo_id} with this token (403)", exit_code=4,
                          hint="use a token with write access to this namespace")
     if isinstance(e, HfHubHTTPError) and status is not None:
-        return PushError(f"the Hub answered {status}: {text}",
-                         hint="re-run the same command to resume; finished files are not uploaded again")
-    return PushError(f"network failure talking to the Hub ({type(e).__name__}: {text})",
-                     hint="re-run the same command to resume; finished files are not uploaded again")
+        return PushError(f"the Hub answered {status}: {text}", hint=resume)
+    return PushError(f"network failure talking to the Hub ({type(e).__name__}: {text})", exit_code=6, hint=resume)
 
 
 def ensure_model_repo(api, repo_id: str, *, private: bool) -> None:
@@ -394,8 +604,7 @@ def compare_remote(api, out: Path, repo_id: str, revision: str | None, res: Push
 
 
 def report_json(res: PushReport) -> str:
-    d = res.to_dict()
-    d.pop("card")
-    return json.dumps(d)
+    """``push --json``: the report as one JSON object, the card included."""
+    return json.dumps(res.to_dict())
 
 

@@ -18,9 +18,10 @@ import torch
 from .decoders import LogicalTensor
 from .errors import LayoutError, SourceError
 from .experts import ExpertMap, ExpertTensor, Matrix
-from .engines.clients import clients
+from .engines.clients import clients, stock_transformers_misloads
 from .formats import Format, get_format
 from .layouts import Layout, detect_layout, load_layout, nested_configs
+from .options import parse_size
 from .scheme import resolve_compute_dtype
 from .source import DTYPE_BITS, FLOAT_DTYPES, Source
 
@@ -150,6 +151,7 @@ class Plan:
             "output_shards": len(self.shard_names),
             "targets": self.format.targets(),
             "format_reason": self.format_reason(),
+            "warnings": [w for w in (stock_transformers_misloads(self.format, self.layout),) if w],
             "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note,
                          "commands": [{"when": w, "command": cmd} for w, cmd in c.variant_lines("OUT")]}
                         for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
@@ -184,30 +186,6 @@ class Plan:
         return [{"name": j.source.name, "file": j.source.file, "dtype": j.source.stored.dtype,
                  "shape": list(j.source.shape), "action": j.kind, "decoded": j.source.how if j.source.decoded
                  else None, "outputs": [o.name for o in j.outputs]} for j in self.jobs]
-
-
-def parse_size(s: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000 (decimal units as Hugging Face uses; GiB/MiB binary). Raises ValueError."""
-    if isinstance(s, int):
-        if s <= 0:
-            raise ValueError(f"size must be positive: {s!r}")
-        return s
-    t = s.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for u, mult in units.items():
-        if t.endswith(u):
-            num = t[: -len(u)]
-            break
-    else:
-        num, mult = t, 1
-    try:
-        val = float(num)
-    except ValueError:
-        raise ValueError(f"not a size: {s!r} (use e.g. 5GB, 500MB, 2GiB)") from None
-    if val <= 0:
-        raise ValueError(f"size must be positive: {s!r}")
-    return int(val * mult)
 
 
 def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtype: str = "auto",

@@ -41,7 +41,10 @@ def interactive(stream: TextIO | None = None) -> bool:
 
 
 def interval() -> float:
-    """Seconds between plain progress lines: ``EXPQ_PROGRESS_INTERVAL`` (a non-negative number), else 5.
+    """Seconds between plain progress lines: ``EXPQ_PROGRESS_INTERVAL`` (a finite number >= 0), else 5.
+
+    Raises:
+        UsageError: ``EXPQ_PROGRESS_INTERVAL`` is set to something else (``abc``, ``-1``, ``inf``).
 
     Example:
         >>> os.environ["EXPQ_PROGRESS_INTERVAL"] = "0.5"; interval()
@@ -50,11 +53,18 @@ def interval() -> float:
         5.0
     """
     raw = os.environ.get("EXPQ_PROGRESS_INTERVAL", "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_INTERVAL
-    except ValueError:
+    if not raw:
         return DEFAULT_INTERVAL
-    return value if value >= 0 and value == value and value != float("inf") else DEFAULT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        from .errors import UsageError
+
+        raise UsageError(f"EXPQ_PROGRESS_INTERVAL={raw!r} is not a number of seconds >= 0 (unset it for the default, "
+                         f"{DEFAULT_INTERVAL:g})")
+    return value
 
 
 def quiet_hub_bars() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ConvertedCheckpoint, LayerExperts
+from .checkpoint import ConvertedCheckpoint, LayerExperts, open_checkpoint
 from .errors import ExpqError, LayoutError, UsageError
 
 _PATCH_LOCK = threading.Lock()
@@ -43,9 +43,10 @@ def load_experts(path: str | Path, layer: int | None = None) -> dict:
         then up), or that inner dict alone when ``layer`` is given.
 
     Raises:
-        ExpqError: not a converted checkpoint, or ``layer`` is not a MoE layer (the message lists them).
+        UnreadableInputError: not a converted checkpoint. LayoutError: ``layer`` is not a MoE layer (the message
+            lists them).
     """
-    ck = ConvertedCheckpoint(path)
+    ck = open_checkpoint(path)
     if layer is not None:
         if layer not in ck.moe_layers:
             raise LayoutError(f"layer {layer} is not a MoE layer; MoE layers: {ck.moe_layers}", file=str(path))
@@ -180,18 +181,19 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
 
     Raises:
         UsageError: an unknown backend, or a device that is not available.
-        ExpqError: not a converted checkpoint; transformers cannot instantiate this architecture; the layout's
-            runtime module is not found in the model.
+        UnreadableInputError: not a converted checkpoint (exit status 2).
+        ExpqError: transformers cannot instantiate this architecture; the layout's runtime module is not found in
+            the model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as tlog
-
     from .kernels.moe import BACKENDS
     from .devices import parse_devices
 
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    ck = ConvertedCheckpoint(path)
+    ck = open_checkpoint(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as tlog
+
     lay = ck.layout
     dev = parse_devices(str(device))[0] if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -286,8 +288,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 @dataclass
 class Generation:
-    """What ``generate`` produced: the prompt and new token ids, the decoded text (None without a tokenizer), the
-    model class, where it ran, and the bytes of its routed experts (int8 + scales) and of the rest."""
+    """What ``generate`` produced: the prompt and new token ids, the decoded continuation (the new tokens' text
+    alone, without the prompt; None without a tokenizer), the model class, where it ran, and the bytes of its routed
+    experts (int8 + scales) and of the rest."""
 
     prompt_ids: list[int]
     new_ids: list[int]
@@ -308,7 +311,9 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
         device: ``cpu``, ``cuda`` or ``cuda:N`` (default: CUDA if available).
 
     Returns:
-        Generation (``text`` is the prompt plus the continuation when the checkpoint has a tokenizer).
+        Generation (``text`` is the continuation, when the checkpoint has a tokenizer: the decoded prompt and new
+        tokens with the decoded prompt taken off the front, so that a space the tokenizer puts between them is
+        kept).
 
     Raises:
         UsageError: an empty prompt, ``max_new_tokens`` < 1, a device that is not there, token ids that are not
@@ -316,11 +321,9 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
         ExpqError: see ``load_model``.
     """
     from .devices import parse_devices
+    from .options import check_run
 
-    if max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if not prompt.strip():
-        raise UsageError("--prompt is empty")
+    check_run(device=device, max_new_tokens=max_new_tokens, prompt=prompt)
     if device is not None:
         parse_devices(device)  # a clear error for a device that is not there
     model = load_model(path, device=device)
@@ -332,8 +335,16 @@ def generate(path: str | Path, prompt: str, *, max_new_tokens: int = 20, device:
                              pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0)
     new = out[0, ids.shape[1]:].tolist()
     nb = experts_nbytes(model)
-    text = prompt + tok.decode(new, skip_special_tokens=True) if tok is not None else None
+    text = continuation(tok, ids[0].tolist(), new) if tok is not None else None
     return Generation(ids[0].tolist(), new, text, type(model).__name__, str(dev), nb["experts"], nb["other"])
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text of ``new_ids`` as it reads after the prompt: decode(prompt + new) minus decode(prompt) (decoding the
+    new tokens alone would drop a leading space some tokenizers encode in the token), else decode(new)."""
+    head = tok.decode(prompt_ids, skip_special_tokens=True)
+    full = tok.decode(prompt_ids + new_ids, skip_special_tokens=True)
+    return full[len(head):] if full.startswith(head) else tok.decode(new_ids, skip_special_tokens=True)
 
 
 def _tokenizer(path: Path):

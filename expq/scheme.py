@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import parallel
+from .options import DTYPE_ALIASES
 
 INT8_MAX = 127
 """Largest code magnitude: vLLM clamps to [-127, 127] (symmetric; -128 is never produced)."""
@@ -41,7 +42,7 @@ ZERO_ROW_SCALE = 0.0
 _RECIP_INT8_MAX = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(INT8_MAX), dtype=torch.float32)
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_ALIASES = DTYPE_ALIASES  # the names are options' (checked there before torch is imported)
 
 
 def resolve_compute_dtype(config_dtype: str | None, requested: str = "auto") -> tuple[torch.dtype, str]:

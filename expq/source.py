@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import SourceError
+from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -590,7 +591,7 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     the root-level side files: no ``onnx/``, ``metal/``, ``original/``, no unindexed or other-format weights).
 
     Raises:
-        SourceError: the directory is not a checkpoint, or ``src`` is neither a directory nor a repo id.
+        SourceError: the directory is not a checkpoint. UsageError: ``src`` is neither a directory nor a repo id.
         HubNotFoundError (exit 3), HubAccessError (4), HubAuthError (5), HubOfflineError (6), IncompleteCacheError
             (7): see ``hubsource.fetch``; all are ``SourceError`` subclasses.
     """
@@ -598,19 +599,31 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     if p.exists():
         if revision is not None:
             raise SourceError("--revision applies to Hub repo ids, not to a local directory", file=str(p))
-        return open_source(p)
+        src = open_source(p)
+        src.commit = local_download_commit(src)
+        return src
     s = str(src)
-    if not is_repo_id(s):
-        raise SourceError("no such directory, and not a Hub repo id", file=s)
+    check_source(s)
     from .hubsource import fetch
 
     local, commit = fetch(s, revision=revision, token=token)
     return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
 
 
-def is_repo_id(s: str) -> bool:
-    """Whether ``s`` has the form of a Hub repo id (``name`` or ``org/name``; letters, digits, ``_.-``)."""
-    return bool(re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s)) and not s.startswith((".", "/"))
+def local_download_commit(src: Source) -> str | None:
+    """The Hub commit a ``hf download --local-dir`` copy came from: the one commit its
+    ``.cache/huggingface/download/<file>.metadata`` records (first line) for config.json and every shard, else None
+    (not such a copy, or files of different commits). The repo id is not recorded there."""
+    meta = src.root / ".cache" / "huggingface" / "download"
+    commits = set()
+    for rel in ["config.json", *(sh.file for sh in src.shards)]:
+        try:
+            with open(meta / f"{rel}.metadata", encoding="utf-8") as f:
+                commits.add(f.readline().strip())
+        except (OSError, UnicodeDecodeError):
+            return None
+    (commit,) = commits if len(commits) == 1 else (None,)
+    return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
 def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:

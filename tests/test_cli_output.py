@@ -133,15 +133,21 @@ def test_verify_and_push_dry_run_print_paths_literally(odd):
     assert {k: v for k, v in listed.items() if k != "README.md"} == on_disk
 
 
-def test_run_prints_prompt_and_generated_text_exactly(odd):
+def test_run_prints_the_continuation_exactly(odd):
+    """stdout is the continuation alone, as the README says (the prompt is not glued to it), printed literally."""
+    from transformers import AutoTokenizer
+
     from expq.runtime import generate
 
     _, out, _ = odd
     r = cli("run", out, "--prompt", PROMPT, "--max-new-tokens", "6", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     g = generate(out, PROMPT, max_new_tokens=6, device="cpu")
-    assert g.text.startswith(PROMPT) and len(g.text) > 80
-    assert r.stdout == g.text + "\n"  # literal, one line, no hard wrap at 80 columns
+    tok = AutoTokenizer.from_pretrained(out)
+    full = tok.decode(g.prompt_ids + g.new_ids)
+    assert full.startswith(tok.decode(g.prompt_ids)) and g.text == full[len(tok.decode(g.prompt_ids)):]
+    assert PROMPT not in g.text and g.text
+    assert r.stdout == g.text + "\n"  # literal, no hard wrap
     e = lines(r.stderr)
     assert f"token ids: {g.new_ids}" in e
     assert re.fullmatch(r"MixtralForCausalLM: routed experts int8 in memory \([\d.]+ kB\), rest [\d.]+ kB, on cpu",
@@ -194,3 +200,21 @@ def test_progress_lines_interval():
     assert out == ["converting: 3.00 MB / 4.00 MB (75%), 1/2 shards, 500.00 kB/s, ETA 0:00:02",
                    "converting: 4.00 MB / 4.00 MB (100%), 2/2 shards, 320.00 kB/s, ETA 0:00:00",
                    "converted: 4.00 MB / 4.00 MB (100%), 2/2 shards, 307.69 kB/s, in 0:00:13"]
+
+
+USAGE = {"convert": "SRC [OUT]", "inspect": "SRC", "verify": "OUT", "run": "OUT", "push": "OUT REPO_ID"}
+
+
+@pytest.mark.parametrize("command", sorted(USAGE))
+def test_help_names_arguments_without_placeholders(command):
+    """Usage lines as a user reads them (``SRC [OUT]``), in the plain help a pipe gets and in rich's; no ``{src}``."""
+    from typer.testing import CliRunner
+
+    from expq.cli import app
+
+    plain = cli(command, "--help").stdout
+    rich = CliRunner().invoke(app, [command, "--help"], prog_name="expq", terminal_width=200).output
+    for text in (plain, rich):
+        usage = next(ln for ln in text.splitlines() if "Usage:" in ln)
+        assert usage.strip().strip("│ ").endswith(f"Usage: expq {command} [OPTIONS] {USAGE[command]}"), usage
+        assert "{" not in text and "}" not in text, text

@@ -370,8 +370,26 @@ def test_usage_errors(tmp_path, tmp_path_factory):
         code, text = run_cli("convert", src, tmp_path / "o", "--device", "cuda:1")
         assert code == 2 and "CUDA is not available" in text
     code, text = run_cli("convert", "/no/such/dir", tmp_path / "o")
-    assert code == 1 and "not a Hub repo id" in text
+    assert code == 2 and "not a Hub repo id" in text  # a usage error (README, exit statuses)
     assert not (tmp_path / "o").exists()
+
+
+def test_exit_statuses_agree_for_missing_and_unconverted_inputs(tmp_path, tmp_path_factory):
+    """README, exit statuses: a checkpoint verify, run (load_model) or push cannot read is 2 for all three; a local
+    SRC that does not exist (and is no repo id) is a usage error, 2; a --source of another model says so, without
+    pointing at an option verify lacks."""
+    src = example(tmp_path_factory, "mixtral")  # a checkpoint, but not a converted one
+    for args in (("verify", src), ("run", src, "--prompt", "1 2"), ("push", src, "me/x", "--dry-run")):
+        code, text = run_cli(*args)
+        assert code == 2 and "no quantization_config: not a converted checkpoint" in text, (args, text)
+    code, text = run_cli("convert", "./nope", tmp_path / "o")
+    assert code == 2 and "file ./nope: no such directory, and not a Hub repo id" in text, text
+    out = tmp_path / "out"
+    expq.convert(src, out, device="cpu")
+    code, text = run_cli("verify", out, "--source", example(tmp_path_factory, "olmoe"), "--device", "cpu")
+    assert code == 2 and "--layout" not in text, text
+    assert ("the source must be the checkpoint OUT was converted from: OUT has the mixtral layout (model_type "
+            "'mixtral'), the source is model_type 'olmoe'") in text, text
 
 
 def test_custom_layout_travels_with_the_checkpoint(tmp_path, tmp_path_factory):

@@ -57,7 +57,10 @@ def test_fixture_outputs_byte_identical(case, family, dtype, opts, tmp_path, tmp
     src = tmp_path / "src"  # a fixed name: expq.json records the source directory's name
     shutil.copytree(example(tmp_path_factory, family, dtype=dtype), src)
     out = tmp_path / "out"
-    expq.convert(src, out, max_shard_size=SHARD, device="cpu", **{"format": "compressed-tensors", **opts})
+    # the acknowledgement that gpt_oss, granitemoe and dbrx in compressed-tensors are not for stock transformers:
+    # it changes no byte
+    expq.convert(src, out, max_shard_size=SHARD, device="cpu",
+                 **{"format": "compressed-tensors", "allow_random_experts_in_transformers": True, **opts})
     _check(case, src, out)
 
 

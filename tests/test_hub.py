@@ -3,6 +3,7 @@ expq push (full push, resume, refusal, the card, errors, no token leaks)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -147,9 +148,11 @@ def test_full_push(hub_server, converted, hub_src):
 def test_interrupted_push_resumes(hub_server, converted):
     n = len(list(converted.glob("*.safetensors")))
     assert n >= 3
+    readme = (converted / "README.md").read_bytes()
     hub_server.inject_fault("lfs_upload", after=2, times=1, status=507)
     with pytest.raises(PushError, match="re-run the same command to resume"):
         push(converted, "me/resumed")
+    assert (converted / "README.md").read_bytes() == readme  # the failed push's card is not left in OUT
     first = list(hub_server.uploaded_oids)
     assert 0 < len(first) < n  # uploads run in parallel: the others finished before the failure surfaced
     hub_server.reset_stats()
@@ -168,11 +171,12 @@ def test_push_refuses_failing_checkpoint(hub_server, converted):
     t = load_file(converted / idx["weight_map"][name])
     t[name].zero_()  # bytes 0 = code -128: outside the scheme's range
     save_file(t, converted / idx["weight_map"][name], metadata={"format": "pt"})
-    with pytest.raises(PushError, match="verify failed, refusing to push.*(sha256 differs|layer 1 expert 0 down)"):
+    with pytest.raises(PushError, match="verify failed, refusing to push.*(sha256 differs|layer 1 expert 0 down)") as ei:
         push(converted, "me/bad")
+    assert "or pass skip_verify=True)" in str(ei.value) and "--" not in str(ei.value)  # Python's words
     assert not hub_server.repo_exists("me/bad")
     code, text = run("push", converted, "me/bad")
-    assert code == 1 and "refusing to push" in text
+    assert code == 1 and "refusing to push" in text and "or pass --skip-verify)" in text  # the CLI's
     res = push(converted, "me/bad", skip_verify=True)
     assert res.verified is None and "Not verified at push time" in (converted / "README.md").read_text()
 
@@ -186,9 +190,15 @@ def test_dry_run_touches_no_network(hub_server, converted, monkeypatch):
     assert code == 0, text
     assert "model-00001-of-" in text and "base_model: org/tiny-mixtral" in text and "expq.load_model" in text
     assert tree_digest(converted) == before  # nothing written either
-    code, text = run("push", converted, "me/dry", "--dry-run", "--json")
-    rep = json.loads(text)
-    assert rep["dry_run"] and rep["verified"] and any(f["path"] == "README.md" for f in rep["files"])
+    r = CliRunner().invoke(app, ["push", str(converted), "me/dry", "--dry-run", "--json"])
+    rep = json.loads(r.stdout)  # stdout is the JSON alone (warnings go to stderr)
+    assert rep["dry_run"] and rep["verified"]
+    # README.md is listed as the card that would be uploaded, not the source's card OUT holds now
+    (card_file,) = [f for f in rep["files"] if f["path"] == "README.md"]
+    card = rep["card"].encode()
+    assert card_file == {"path": "README.md", "size": len(card), "sha256": hashlib.sha256(card).hexdigest()}
+    assert (converted / "README.md").stat().st_size != len(card)
+    assert rep["bytes"] == sum(f["size"] for f in rep["files"])
 
 
 def test_push_create_pr_and_branch(hub_server, converted):
@@ -204,14 +214,16 @@ def test_push_create_pr_and_branch(hub_server, converted):
 
 
 def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd):
+    readme = (converted / "README.md").read_bytes()  # the source's card, copied by convert
+    assert b"expq" not in readme
     # wrong token: 401, and the token never appears in the output
     secret = "hf_super_secret_value_123"
     code, text = run("push", converted, "me/x", "--token", secret)
-    assert code == 1 and "401" in text and secret not in text
+    assert code == 5 and "401" in text and secret not in text and "check --token TOKEN / HF_TOKEN" in text
     # no permission
     hub_server.deny_write("forbidden")
     code, text = run("push", converted, "forbidden/x")
-    assert code == 1 and "no write permission" in text and TOKEN not in text
+    assert code == 4 and "no write permission" in text and TOKEN not in text
     # a dataset with that name
     hub_server.create_repo("me/data", repo_type="dataset")
     code, text = run("push", converted, "me/data")
@@ -224,9 +236,12 @@ def test_push_errors_and_no_token_leak(hub_server, converted, monkeypatch, capfd
 
     configure_hf_client(monkeypatch, "http://127.0.0.1:9", hub_server.root / "home2", TOKEN)
     code, text = run("push", converted, "me/x")
-    assert code == 1 and "network failure" in text and "resume" in text
+    assert code == 6 and "network failure" in text and "resume" in text  # README: 6, the Hub is not reachable
     out = capfd.readouterr()
     assert TOKEN not in out.out + out.err and secret not in out.out + out.err
+    # none of these failed pushes left its card in OUT: README.md is what it was
+    assert (converted / "README.md").read_bytes() == readme
+    assert sorted(p.name for p in converted.iterdir() if p.name.startswith(".")) == []
 
 
 def test_push_without_token(hub_server, converted, monkeypatch):
@@ -235,7 +250,7 @@ def test_push_without_token(hub_server, converted, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     before = tree_digest(converted)
-    with pytest.raises(PushError, match="no Hugging Face token"):
+    with pytest.raises(PushError, match="no Hugging Face token: pass token='TOKEN', set HF_TOKEN"):
         push(converted, "me/x")
     assert tree_digest(converted) == before  # nothing written before the token check
 
@@ -244,3 +259,22 @@ def test_push_needs_a_converted_checkpoint(hub_server, hub_src):
     folder, _ = hub_src
     with pytest.raises(ExpqError, match="quantization_config"):
         push(folder, "me/x")
+
+
+def test_verify_source_with_token(hub_server, hub_src, tmp_path, monkeypatch):
+    """verify --source of a private repo takes --token, as convert does."""
+    folder, _ = hub_src
+    hub_server.add_repo("org/private-mixtral", folder, private=True)
+    out = tmp_path / "out"
+    expq.convert("org/private-mixtral", out, device="cpu")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: the Hub must answer
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    code, text = run("verify", out, "--source", "org/private-mixtral", "--device", "cpu", "--tokens", "8")
+    assert code in (3, 4), text
+    code, text = run("verify", out, "--source", "org/private-mixtral", "--device", "cpu", "--tokens", "8",
+                     "--token", TOKEN)
+    assert code == 0 and "PASS" in text and TOKEN not in text, text

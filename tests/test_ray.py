@@ -209,11 +209,11 @@ def test_cannot_connect(tmp_path, tmp_path_factory, monkeypatch):
 def test_ray_refuses_what_a_plain_convert_refuses(tmp_path, tmp_path_factory):
     """--stream on a local directory and a SRC that is neither a directory nor a repo id: the same one-line errors
     as without --ray."""
-    from expq.errors import SourceError, UsageError
+    from expq.errors import UsageError
 
     src = example(tmp_path_factory, "mixtral")
     with pytest.raises(UsageError, match="--stream applies to Hub repo ids"):
         expq.convert(src, tmp_path / "a", ray="local", stream=True, device="cpu")
-    with pytest.raises(SourceError, match="no such directory, and not a Hub repo id"):
+    with pytest.raises(UsageError, match="no such directory, and not a Hub repo id"):
         expq.convert(tmp_path / "no such dir [bold]", tmp_path / "b", ray="local", device="cpu")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

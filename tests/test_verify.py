@@ -161,3 +161,65 @@ def test_unreadable_and_usage(tmp_path, outputs):
     assert code == 2 and "quantization_config" in text
     code, text = run("verify", out, "--tokens", "0")
     assert code == 2
+
+
+def checks_by_name(rep) -> dict:
+    return {c.name: c for c in rep.checks}
+
+
+def test_each_check_reports_its_own_result_and_detail(outputs, tmp_path):
+    """Expert 2's gate replaced by expert 3's, in one layer: valid codes and scales, so the structure check passes
+    and the kernel matches its fp32 reference (on the weights as they are); the bits, the row error and the source
+    comparison fail, each with its own line."""
+    src, out = outputs("mixtral")
+    bad = corrupt_copy(out, tmp_path)
+    a, b = "model.layers.1.block_sparse_moe.experts.2.w1", "model.layers.1.block_sparse_moe.experts.3.w1"
+
+    def swap(t):
+        for suffix in (".weight_packed", ".weight_scale"):
+            t[a + suffix] = t[b + suffix].clone()
+
+    assert json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][a + ".weight_packed"] == \
+        json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][b + ".weight_packed"]
+    edit(bad, a + ".weight_packed", swap)
+    rep = expq.verify(bad, source=src, device="cpu", tokens=16)
+    ch = checks_by_name(rep)
+    codes, bits = ch["experts: codes and scales"], ch["experts: bits equal re-quantized source"]
+    rows = ch["experts: row error within half a step (+ w/scale rounding)"]
+    kernel = ch["kernel (torch) vs fp32 reference"]
+    assert codes.ok and codes.detail.startswith("2 layers x 4 experts: codes in [-127, 127]"), codes
+    assert not bits.ok and bits.detail.startswith(f"layer 1 expert 2 gate ({a}):"), bits
+    assert "codes and" in bits.detail and "scales differ" in bits.detail and bits.detail in rep.problems
+    assert not rows.ok and rows.detail.startswith("layer 1: a row's dequantization error is"), rows
+    assert kernel.ok and kernel.detail.startswith("worst layer"), kernel
+    source = ch["kernel vs source experts"]
+    assert source.ok == (rep.layers[1].source_rel_err <= SOURCE_REL_TOL)
+    assert source.detail.startswith("layer 1: kernel output differs from the source experts" if not source.ok
+                                    else "worst layer"), source
+    code, text = run("verify", bad, "--device", "cpu", "--source", src, "--tokens", "16")
+    rows_printed = {ln.split("\t")[0]: ln.split("\t")[1:] for ln in text.splitlines() if "\t" in ln}
+    assert rows_printed["experts: codes and scales"][0] == "pass"
+    assert rows_printed["experts: bits equal re-quantized source"][:2] == ["FAIL", bits.detail]
+    assert rows_printed["kernel (torch) vs fp32 reference"][0] == "pass"
+
+
+def test_a_weakened_row_fails_the_codes_check_not_the_kernel_check(outputs, tmp_path):
+    """One row's codes halved without a source: the codes check fails on that row; the kernel, which runs the weights
+    as they are, passes."""
+    src, out = outputs("mixtral")
+    bad = corrupt_copy(out, tmp_path)
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight_packed"
+
+    def halve_row(t):
+        codes = t[name][5].view(torch.uint8).to(torch.int16) - 128  # row 5's words as bytes: code + 128 each
+        t[name][5] = (torch.div(codes, 2, rounding_mode="trunc") + 128).to(torch.uint8).view(torch.int32)
+
+    edit(bad, name, halve_row)
+    rep = expq.verify(bad, device="cpu", tokens=16)
+    ch = checks_by_name(rep)
+    codes, kernel = ch["experts: codes and scales"], ch["kernel (torch) vs fp32 reference"]
+    assert not codes.ok and codes.detail.startswith("layer 0 expert 1 down row 5 "), codes
+    assert "largest code is 63 " in codes.detail, codes
+    assert kernel.ok, kernel
+    assert not rep.ok and codes.detail in rep.problems
+    assert ch["files match expq.json (size, sha256)"].detail.startswith("file model-")  # and the hash sees it

@@ -43,6 +43,11 @@ def vllm_ct_commands() -> tuple[tuple[str, str], ...]:
              f"vllm serve {{model}} {MARLIN_FLAG}"))
 
 
+# Installing expq where a command needs it: here, in the environment that has expq (pip takes the installed expq and
+# adds the extra's vLLM); the model card replaces it by the line its readers can run (hub.install_line).
+INSTALL_HERE = 'pip install "expq[vllm]"'
+
+
 @dataclass(frozen=True)
 class Client:
     """One engine's answer. ``language`` is ``bash`` or ``python`` (the command's code-block language); ``command``
@@ -56,9 +61,13 @@ class Client:
     note: str = ""
     variants: tuple[tuple[str, str], ...] = ()  # (which version / GPU, the exact command) where they differ
 
-    def for_model(self, model: str) -> str | None:
-        """The command with ``{model}`` filled in."""
-        return None if self.command is None else self.command.replace("{model}", model)
+    def for_model(self, model: str, install: str = INSTALL_HERE) -> str | None:
+        """The command with ``{model}`` filled in, and ``{install}`` (installing expq, where the command needs it)
+        by ``install``: by default the line for an environment that already has expq (the model card passes the
+        line its readers run)."""
+        if self.command is None:
+            return None
+        return self.command.replace("{model}", model).replace("{install}", install)
 
     def variant_lines(self, model: str) -> list[tuple[str, str]]:
         """``variants`` with ``{model}`` filled in."""
@@ -72,7 +81,7 @@ class Client:
         return (" && " if self.language == "bash" else "; ").join(ln for ln in lines if ln)
 
 
-VLLM_PLUGIN = 'pip install "expq[vllm]"  # expq\'s vLLM plugin (an entry point vLLM loads by itself)\nvllm serve {model}'
+VLLM_PLUGIN = '{install}  # expq\'s vLLM plugin (an entry point vLLM loads by itself)\nvllm serve {model}'
 TRANSFORMERS_EXPQ = ('import expq  # registers expq\'s transformers quantizer\n'
                      'from transformers import AutoModelForCausalLM\n'
                      'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts stay int8 (expq\'s kernel)')
@@ -80,6 +89,13 @@ TRANSFORMERS_STOCK = ('from transformers import AutoModelForCausalLM\n'
                       'model = AutoModelForCausalLM.from_pretrained("{model}")  # experts dequantized to 16-bit at load')
 SGLANG = "python -m sglang.launch_server --model-path {model}"
 SGLANG_ACTIVATIONS = ("silu",)  # SGLang's compressed-tensors WNA16 MoE (Marlin) asserts SiLU
+# transformers 5 holds a family's experts stacked (one module per layer), so the per-expert module targets of the
+# compressed-tensors config match no module and compressed-tensors logs a warning; transformers' own weight conversion
+# still loads the per-expert tensors into the stacked experts (tests/test_convert.py compares the logits).
+CT_MATCH_WARNING = ("transformers may log compressed-tensors' warning `Could not match ... in instance of ...` for "
+                    "the experts' targets: it is harmless. transformers holds the experts stacked, one module per "
+                    "layer, so the per-expert targets match no module; its own weight conversion loads the "
+                    "per-expert tensors into them.")
 EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
         'model = expq.load_model(snapshot_download("{model}"))  # int8 experts, fused-MoE kernel')
 EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
@@ -123,7 +139,7 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
         vllm = Client("vLLM", True, "bash", "vllm serve {model}",
                       note + (f" Note: {layout.vllm_note}." if layout.vllm_note else ""), vllm_ct_commands())
     if layout.stock_transformers:
-        tf = Client("transformers", True, "python", TRANSFORMERS_STOCK)
+        tf = Client("transformers", True, "python", TRANSFORMERS_STOCK, CT_MATCH_WARNING)
     else:
         tf = Client("transformers", False, "python", None,
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
@@ -149,3 +165,19 @@ def sglang(fmt: str, layout: Layout, hidden_size: int | None) -> Client:
                   f"SGLang {TESTED['SGLang']} runs the experts through its compressed-tensors WNA16 MoE "
                   "(`fused_marlin_moe`, SiLU only) on NVIDIA GPUs; expq's tests load this format into SGLang's own "
                   "MoE layer (on a CPU), they do not serve it on a GPU yet.")
+
+
+def stock_transformers_misloads(fmt, layout: Layout) -> str:
+    """Why stock transformers (without expq) would load a checkpoint of ``layout``'s family in format ``fmt`` with
+    randomly initialised routed experts, or ``""`` when it would not (it loads them right, or refuses the format).
+
+    Args:
+        fmt: a ``formats.Format`` (or its class): whether stock transformers reads the format at all.
+        layout: the family; its ``[clients] transformers`` says whether stock transformers maps the format's
+            per-expert tensors onto the family's experts.
+    """
+    if not fmt.stock_transformers_loads or layout.stock_transformers:
+        return ""
+    return (f"stock transformers loads {fmt.name} checkpoints of the {layout.name} family with randomly initialised "
+            "routed experts, without an error (it has no conversion from per-expert quantized tensors to this "
+            "family's stacked experts: the layout's [clients] transformers = false)")

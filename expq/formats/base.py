@@ -39,6 +39,9 @@ class Format(Protocol):
 
     name: ClassVar[str]
     quant_method: ClassVar[str]  # what its quantization_config calls it
+    # Whether stock transformers (no expq) loads checkpoints in this format instead of refusing them; whether the
+    # experts it loads are right then depends on the family (its layout's ``[clients] transformers``).
+    stock_transformers_loads: ClassVar[bool]
     experts: ExpertMap
     compute_dtype: torch.dtype
 

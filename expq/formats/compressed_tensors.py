@@ -80,6 +80,7 @@ class CompressedTensorsFormat:
 
     name: ClassVar[str] = "compressed-tensors"
     quant_method: ClassVar[str] = "compressed-tensors"
+    stock_transformers_loads: ClassVar[bool] = True  # transformers' own compressed-tensors quantizer
     SUFFIXES: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
 
     def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):

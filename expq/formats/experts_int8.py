@@ -51,6 +51,7 @@ class ExpertsInt8Format:
 
     name: ClassVar[str] = "experts-int8"
     quant_method: ClassVar[str] = QUANT_METHOD
+    stock_transformers_loads: ClassVar[bool] = False  # unknown quant_method, then the markers' size mismatch
     SUFFIXES: ClassVar[tuple[str, ...]] = (CODES, SCALE)
 
     def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):

@@ -1,0 +1,146 @@
+"""The options of the public functions, checked before any heavy work: no torch, transformers or Hub import here, so
+the command line answers a usage error at once (the API checks the same, with the same words).
+
+Each ``check_*`` raises ``UsageError`` naming the option (in the command line's words, as these messages always
+have).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import UsageError
+
+AUTO = "auto"  # --format auto: the family's default (its layout's [clients] format)
+# The output formats' names (formats.FORMATS holds the classes; tests/test_options.py checks the two agree).
+FORMAT_NAMES = ("compressed-tensors", "experts-int8")
+# Compute dtypes by name, and the other spellings accepted for them (scheme.COMPUTE_DTYPES maps names to torch).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_SIZE_UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+               "TB": 10**12, "B": 1}
+
+
+def parse_size(s: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units as Hugging Face uses; KiB/MiB/GiB/TiB binary).
+
+    Raises:
+        ValueError: not a size, or not positive.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("2GiB"), parse_size(1000)
+        (5000000000, 2147483648, 1000)
+    """
+    if isinstance(s, int):
+        if s <= 0:
+            raise ValueError(f"size must be positive: {s!r}")
+        return s
+    t = s.strip().upper().replace(" ", "")
+    num, mult = next(((t[: -len(u)], m) for u, m in _SIZE_UNITS.items() if t.endswith(u)), (t, 1))
+    try:
+        val = float(num)
+    except ValueError:
+        raise ValueError(f"not a size: {s!r} (use e.g. 5GB, 500MB, 2GiB)") from None
+    if not val > 0 or val == float("inf"):
+        raise ValueError(f"size must be positive: {s!r}")
+    return int(val * mult)
+
+
+def is_repo_id(s: str) -> bool:
+    """Whether ``s`` has the form of a Hub repo id (``name`` or ``org/name``; letters, digits, ``_.-``)."""
+    return bool(re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s)) and not s.startswith((".", "/"))
+
+
+def check_source(src) -> None:
+    """A SRC is an existing path or has the form of a Hub repo id (``source.resolve_source`` says the same)."""
+    if not Path(src).expanduser().exists() and not is_repo_id(str(src)):
+        raise UsageError("no such directory, and not a Hub repo id", file=str(src))
+
+
+def check_format(name: str) -> None:
+    """``auto`` or one of ``FORMAT_NAMES``."""
+    if name != AUTO and name not in FORMAT_NAMES:
+        raise UsageError(f"unknown --format {name!r}; supported: {AUTO}, {', '.join(FORMAT_NAMES)}")
+
+
+def check_dtype(name: str) -> None:
+    """``auto``, a compute dtype name, or one of its aliases."""
+    if name != AUTO and DTYPE_ALIASES.get(name, name) not in DTYPE_NAMES:
+        raise UsageError(f"unknown --dtype {name!r}; use auto, {', '.join(DTYPE_NAMES)}")
+
+
+def check_size(value: str | int, flag: str = "--max-shard-size") -> None:
+    try:
+        parse_size(value)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def check_devices(spec: str | None, *, several: bool = True) -> None:
+    """The form of ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (or, with ``several``, a comma-separated list); whether
+    the devices exist is ``devices.parse_devices``'s to say."""
+    spec = (spec or AUTO).strip()
+    parts = [p.strip() for p in spec.split(",")]
+    if spec == AUTO or (all(_DEVICE.fullmatch(p) for p in parts) and (several or len(parts) == 1)):
+        return
+    bad = next((p for p in parts if not _DEVICE.fullmatch(p)), spec)
+    raise UsageError(f"unknown device {bad!r} (use auto, cpu, cuda, cuda:N" + (" or a comma-separated list)"
+                                                                               if several else ")"))
+
+
+def check_at_least_one(value: int, flag: str) -> None:
+    if value < 1:
+        raise UsageError(f"{flag} must be at least 1")
+
+
+def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_size: str | int, stream: bool,
+                  ray: str | None, to_hub: str | None) -> None:
+    """Every option of ``api.convert`` whose value alone can be wrong, and their combinations."""
+    check_source(src)
+    check_format(format)
+    check_dtype(dtype)
+    check_devices(device)
+    check_size(max_shard_size)
+    if to_hub is not None and ray is None:
+        raise UsageError("--to-hub needs --ray: its tasks upload the shards they write (on one machine, convert "
+                         "to OUT and run `expq push OUT REPO`)")
+    if to_hub is not None and out is not None:
+        raise UsageError("give OUT or --to-hub, not both")
+    if to_hub is None and out is None:
+        raise UsageError("missing OUT (or --to-hub REPO with --ray)")
+    local = Path(src).expanduser()
+    if stream and local.exists():
+        kind = "directory" if local.is_dir() else "file"
+        raise UsageError(f"--stream applies to Hub repo ids; SRC is a local {kind} (convert it without --stream)",
+                         file=str(src))
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A model repo id, ``namespace/name``."""
+    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
+        raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
+
+
+def check_inspect(src, *, format: str, dtype: str, max_shard_size: str | int) -> None:
+    """The options of ``api.inspect`` whose value alone can be wrong."""
+    check_source(src)
+    check_format(format)
+    check_dtype(dtype)
+    check_size(max_shard_size)
+
+
+def check_verify(*, device: str, tokens: int) -> None:
+    """The options of ``verifier.verify`` whose value alone can be wrong."""
+    check_devices(device, several=False)
+    check_at_least_one(tokens, "--tokens")
+
+
+def check_run(*, device: str | None, max_new_tokens: int, prompt: str) -> None:
+    """The options of ``runtime.generate`` whose value alone can be wrong."""
+    if device is not None:
+        check_devices(device, several=False)
+    check_at_least_one(max_new_tokens, "--max-new-tokens")
+    if not prompt.strip():
+        raise UsageError("--prompt is empty")
