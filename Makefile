@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-gpu fuzz bench bench-llmc clean
+.PHONY: install demo test test-faults test-cpu-variants test-gpu fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
@@ -27,6 +27,21 @@ test: $(STAMP)
 # Every fault sweep, the slow one included (a kill at every fsync of a new OUT).
 test-faults: $(STAMP)
 	EXPQ_SLOW=1 $(PY) -m pytest -q tests/test_reliability.py
+
+# The tests whose results depend on the CPU's arithmetic paths (the kernels under Triton's interpreter, whose tl.dot is
+# numpy's OpenBLAS sgemm; the scheme; the goldens, whose fixtures torch's random initialisation makes) under each path
+# our machines take: OpenBLAS's SkylakeX kernel (AVX-512 Intel Xeon), its Haswell kernel (AMD EPYC, AVX2 CPUs), numpy
+# and ATen at AVX2, and OpenBLAS's Sandybridge kernel with numpy's baseline loops. Emulated on this CPU (a path it
+# cannot run falls back: each run's header says what ran). ATen stays at AVX2 or above, as on all our machines
+# (without AVX2, torch's random initialisation gives the golden fixtures other values).
+CPU_VARIANTS := SkylakeX/-/avx512 Haswell/-/avx512 Haswell/X86_V4,AVX512_ICL,AVX512_SPR/avx2 \
+                Sandybridge/X86_V3,X86_V4,AVX512_ICL,AVX512_SPR/avx2
+test-cpu-variants: $(STAMP)
+	@set -e; for v in $(CPU_VARIANTS); do \
+	  blas=$${v%%/*}; rest=$${v#*/}; npy=$${rest%/*}; aten=$${rest##*/}; [ "$$npy" != - ] || npy=; \
+	  OPENBLAS_CORETYPE=$$blas NPY_DISABLE_CPU_FEATURES=$$npy ATEN_CPU_CAPABILITY=$$aten \
+	    $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py tests/test_scheme.py tests/test_goldens.py; \
+	done
 
 # GPU tests (need CUDA; run them on a GPU machine).
 test-gpu: $(STAMP)

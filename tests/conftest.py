@@ -33,3 +33,39 @@ def hub_server(tmp_path, monkeypatch):
 
 
 # ===================================== end of hub_server fixture =====================================
+
+
+# =====================================================================================================
+# Report header: the arithmetic paths this CPU takes (numpy's OpenBLAS sgemm kernel, which tl.dot uses under Triton's
+# interpreter; numpy's and ATen's SIMD levels). Results of order-sensitive code differ between them (see
+# tests/test_kernels.py); `make test-cpu-variants` runs the tests that depend on them under each.
+# =====================================================================================================
+def _openblas_core() -> str:
+    import ctypes
+
+    import numpy  # noqa: F401  (loads numpy's OpenBLAS)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return "unknown"
+    for lib in sorted(libs):
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                     "openblas_get_corename"):
+            func = getattr(ctypes.CDLL(lib), name, None)
+            if func is not None:
+                func.restype = ctypes.c_char_p
+                return func().decode()
+    return "unknown"
+
+
+def pytest_report_header(config):
+    import numpy
+    import torch
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    simd = [d for d in __cpu_dispatch__ if __cpu_features__.get(d)]
+    return (f"arithmetic paths: OpenBLAS kernel {_openblas_core()}; numpy {numpy.__version__} SIMD "
+            f"{'+'.join(simd) or 'baseline'}; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}")
+# ====================================== end of report header =========================================
