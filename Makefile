@@ -5,18 +5,41 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-cpu-variants test-gpu fuzz bench bench-llmc clean
+.PHONY: install lock demo test test-faults test-cpu-variants test-gpu fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
-# torch first, pinned, so that pip takes the local CPU wheel instead of a multi-GB CUDA build.
-$(STAMP): pyproject.toml requirements.lock
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.lock
-	$(PY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
+# The environment: a new .venv holding exactly the packages of requirements.lock, each at its version and sha256
+# (pip's --require-hashes; --no-deps: the lock is the whole closure), pip first at its locked version. The lock's
+# torch is the CPU build 2.13.0+cpu, whose wheel lies in pip's find-links directory on our machines: pip never takes
+# PyPI's torch 2.13.0 (a CUDA build) for it.
+$(VENV)/.lock-installed: requirements.lock
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	awk '/^pip==/ {p = 1} p {print} p && !/\\$$/ {exit}' requirements.lock > $(VENV)/pip.lock
+	$(PY) -m pip install -q --no-deps --require-hashes -r $(VENV)/pip.lock
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
+	touch $@
+
+# expq itself, editable, built by the locked setuptools (no build isolation: nothing installed that the lock does not
+# name), then pip's check that every installed package's requirements are met.
+$(STAMP): $(VENV)/.lock-installed pyproject.toml
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $@
+
+# Regenerates requirements.lock from pyproject.toml (dependencies, dev and ray extras) and requirements.in (torch's
+# CPU build, pip, setuptools) with pip-tools, which resolves through pip and its configuration as `make install`
+# does. Pins already in the lock are kept while they still fit; `make lock LOCK_ARGS=--upgrade` takes the newest.
+PIP_TOOLS ?= pip-tools==7.6.2
+LOCK_VENV ?= build/lock-venv
+LOCK_ARGS ?=
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && \
+	  $(LOCK_VENV)/bin/pip install -q "$$(grep -o '^pip==[^ ]*' requirements.lock)" $(PIP_TOOLS); }
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --generate-hashes --allow-unsafe \
+	  --strip-extras --extra dev --extra ray --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) \
+	  --output-file requirements.lock pyproject.toml requirements.in
 
 demo: $(STAMP)
 	$(PY) -m expq.demo $(DEMO)
