@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install lock demo test test-faults test-cpu-variants test-gpu fuzz bench bench-llmc clean
+.PHONY: install lock demo test test-slow test-faults test-cpu-variants test-gpu fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
@@ -47,9 +47,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests
 
-# Every fault sweep, the slow one included (a kill at every fsync of a new OUT).
+# Every fault sweep, the slow ones included (a kill at every fsync of a new OUT and of an overwrite).
 test-faults: $(STAMP)
 	EXPQ_SLOW=1 $(PY) -m pytest -q tests/test_reliability.py
+
+# The tests marked slow, which `make test` skips: the fsync fault sweeps, the CI recipe end to end, the kernel tuner
+# end to end (CI runs this after `make test`).
+test-slow: $(STAMP)
+	EXPQ_SLOW=1 $(PY) -m pytest -q -m slow tests
 
 # The tests whose results depend on the CPU's arithmetic paths (the kernels under Triton's interpreter, whose tl.dot is
 # numpy's OpenBLAS sgemm; the scheme; the goldens, whose fixtures torch's random initialisation makes) under each path

@@ -1,4 +1,29 @@
 # =====================================================================================================
+# One OpenMP thread per process: OMP_NUM_THREADS=1 (unless set) for this process and every subprocess a test starts,
+# set here, before any test module imports torch. The tests' tensors are tiny, and on a loaded machine OpenMP's
+# threads spin-wait for each other: tests/test_runtime.py and tests/test_examples_realistic.py took 173 s instead of
+# 41 s beside busy processes. expq's CPU pipeline runs torch on one thread anyway (pipeline.cpu_threads).
+# =====================================================================================================
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# Tests marked slow (a kill at every fsync, the CI recipe end to end, the kernel tuner end to end) run with
+# EXPQ_SLOW=1 only: `make test-slow` runs them, and CI runs it after `make test`.
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EXPQ_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: EXPQ_SLOW=1 (make test-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+# ======================================= end of test set-up ==========================================
+
+
+# =====================================================================================================
 # hub_server fixture: a local Hugging Face Hub-compatible server (tests/hub_server.py) that the real
 # huggingface_hub client talks to through HF_ENDPOINT. Self-contained block: keep it together when
 # adding other fixtures to this file.
