@@ -5,18 +5,41 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install demo test test-faults test-gpu test-vllm fuzz bench bench-llmc clean
+.PHONY: install lock demo test test-slow test-faults test-cpu-variants test-gpu test-vllm fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
-# torch first, pinned, so that pip takes the local CPU wheel instead of a multi-GB CUDA build.
-$(STAMP): pyproject.toml requirements.lock
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.lock
-	$(PY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
+# The environment: a new .venv holding exactly the packages of requirements.lock, each at its version and sha256
+# (pip's --require-hashes; --no-deps: the lock is the whole closure), pip first at its locked version. The lock's
+# torch is the CPU build 2.13.0+cpu, whose wheel lies in pip's find-links directory on our machines: pip never takes
+# PyPI's torch 2.13.0 (a CUDA build) for it.
+$(VENV)/.lock-installed: requirements.lock
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	awk '/^pip==/ {p = 1} p {print} p && !/\\$$/ {exit}' requirements.lock > $(VENV)/pip.lock
+	$(PY) -m pip install -q --no-deps --require-hashes -r $(VENV)/pip.lock
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
+	touch $@
+
+# expq itself, editable, built by the locked setuptools (no build isolation: nothing installed that the lock does not
+# name), then pip's check that every installed package's requirements are met.
+$(STAMP): $(VENV)/.lock-installed pyproject.toml
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $@
+
+# Regenerates requirements.lock from pyproject.toml (dependencies, dev and ray extras) and requirements.in (torch's
+# CPU build, pip, setuptools) with pip-tools, which resolves through pip and its configuration as `make install`
+# does. Pins already in the lock are kept while they still fit; `make lock LOCK_ARGS=--upgrade` takes the newest.
+PIP_TOOLS ?= pip-tools==7.6.2
+LOCK_VENV ?= build/lock-venv
+LOCK_ARGS ?=
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && \
+	  $(LOCK_VENV)/bin/pip install -q "$$(grep -o '^pip==[^ ]*' requirements.lock)" $(PIP_TOOLS); }
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --generate-hashes --allow-unsafe \
+	  --strip-extras --extra dev --extra ray --no-emit-index-url --no-emit-find-links $(LOCK_ARGS) \
+	  --output-file requirements.lock pyproject.toml requirements.in
 
 demo: $(STAMP)
 	$(PY) -m expq.demo $(DEMO)
@@ -24,9 +47,29 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests
 
-# Every fault sweep, the slow one included (a kill at every fsync of a new OUT).
+# Every fault sweep, the slow ones included (a kill at every fsync of a new OUT and of an overwrite).
 test-faults: $(STAMP)
 	EXPQ_SLOW=1 $(PY) -m pytest -q tests/test_reliability.py
+
+# The tests marked slow, which `make test` skips: the fsync fault sweeps, the CI recipe end to end, the kernel tuner
+# end to end (CI runs this after `make test`).
+test-slow: $(STAMP)
+	EXPQ_SLOW=1 $(PY) -m pytest -q -m slow tests
+
+# The tests whose results depend on the CPU's arithmetic paths (the kernels under Triton's interpreter, whose tl.dot is
+# numpy's OpenBLAS sgemm; the scheme; the goldens, whose fixtures torch's random initialisation makes) under each path
+# our machines take: OpenBLAS's SkylakeX kernel (AVX-512 Intel Xeon), its Haswell kernel (AMD EPYC, AVX2 CPUs), numpy
+# and ATen at AVX2, and OpenBLAS's Sandybridge kernel with numpy's baseline loops. Emulated on this CPU (a path it
+# cannot run falls back: each run's header says what ran). ATen stays at AVX2 or above, as on all our machines
+# (without AVX2, torch's random initialisation gives the golden fixtures other values).
+CPU_VARIANTS := SkylakeX/-/avx512 Haswell/-/avx512 Haswell/X86_V4,AVX512_ICL,AVX512_SPR/avx2 \
+                Sandybridge/X86_V3,X86_V4,AVX512_ICL,AVX512_SPR/avx2
+test-cpu-variants: $(STAMP)
+	@set -e; for v in $(CPU_VARIANTS); do \
+	  blas=$${v%%/*}; rest=$${v#*/}; npy=$${rest%/*}; aten=$${rest##*/}; [ "$$npy" != - ] || npy=; \
+	  OPENBLAS_CORETYPE=$$blas NPY_DISABLE_CPU_FEATURES=$$npy ATEN_CPU_CAPABILITY=$$aten \
+	    $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py tests/test_scheme.py tests/test_goldens.py; \
+	done
 
 # GPU tests (need CUDA; run them on a GPU machine).
 test-gpu: $(STAMP)

@@ -126,7 +126,7 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
         (a ShardResult per shard, the row findings of the quantize jobs it ran: job index -> dict).
 
     Raises:
-        as ``run_plan``.
+        as ``run_plan``; OutputError: ``folder`` is not there (``ShardFolder``).
     """
     from .devices import parse_devices, warm_up
     from .pipeline import run_plan
@@ -167,6 +167,8 @@ def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict 
             plan = dataclasses.replace(plan, source=dataclasses.replace(plan.source, root=src))
             feeder = ShardStream(listing, src, None)
         folder = Path(dest) if dest is not None else Path(tmp) / "out"
+        if dest is None:
+            folder.mkdir()
         results, rows = write_shards(plan, list(group.shards), folder, device=device,
                                      allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
                                      on_progress=_fault_hook(fault))
@@ -346,8 +348,9 @@ def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, li
     """Submit one task per group and hand each result to ``on_result(group, results, rows)`` as it arrives.
 
     Raises:
-        ClusterError: a task failed (after its retries); the others are cancelled. Interrupted: ``stop`` was set
-            (the results already there are handed over first).
+        ClusterError: a task failed (after its retries); the others are cancelled, and have ended when this
+            raises (``_stop_tasks``). Interrupted: ``stop`` was set (the results already there are handed over
+            first; the other tasks are stopped alike).
     """
     if not groups:
         return
@@ -373,9 +376,24 @@ def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, li
             if stop.is_set():
                 raise Interrupted(getattr(stop, "signum", signal.SIGINT))
     finally:
-        for ref in pending:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref, force=True)
+        _stop_tasks(ray, list(pending))
+
+
+STOP_WAIT_S = 60.0
+"""How long ``_stop_tasks`` waits for cancelled tasks to end (a forced cancel kills the worker at once; Ray reports
+the end once the worker is gone, or once it declares the node dead)."""
+
+
+def _stop_tasks(ray, refs: list) -> None:
+    """Cancel tasks (queued or running; a running one's worker is killed) and wait until each has ended, at most
+    ``STOP_WAIT_S``: ``ray.cancel`` only asks, and a task still running would go on writing into OUT's staging folder
+    while the driver keeps or removes it (a removed folder would come back, half written)."""
+    for ref in refs:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+    if refs:
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S, fetch_local=False)
 
 
 # --- the Hub side of --to-hub ----------------------------------------------------------------------------------------

@@ -439,25 +439,32 @@ class ShardFolder:
 
     Args:
         folder: where the shard files go (the driver's staging folder on a shared filesystem, or a node-local
-            temporary folder).
+            temporary folder); it must exist, and is never made here: a task still ending after its run failed
+            cannot bring back the staging folder the driver removed.
         names: the shards this part writes; every other shard of the plan counts as finished elsewhere (``kept``).
         all_names: every shard name of the plan.
 
     ``records``: for each shard written and fsync'd, {size, sha256, jobs (row findings so far)}, as the journal
     would record it.
+
+    Raises:
+        OutputError: ``folder`` is not there.
     """
 
     def __init__(self, folder: Path, names: list[str], all_names: list[str]):
         self.staging = Path(folder)
-        self.staging.mkdir(parents=True, exist_ok=True)
+        if not self.staging.is_dir():
+            raise OutputError("the folder for these shards is not there (OUT's staging folder: removed after the run "
+                              "failed, or not on a filesystem every node shares)", file=str(folder))
         self.kept: dict[str, dict] = {n: {} for n in all_names if n not in set(names)}
         self.records: dict[str, dict] = {}
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
-        p = self.staging / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        return p
+        """Where shard ``name`` goes: the folders inside ``folder`` that its name has are made, ``folder`` never."""
+        for sub in reversed(Path(name).parents[:-1]):
+            (self.staging / sub).mkdir(exist_ok=True)
+        return self.staging / name
 
     def record(self, name: str, jobs: dict | None = None, sha256: str | None = None) -> None:
         p = self.staging / name

@@ -1,4 +1,29 @@
 # =====================================================================================================
+# One OpenMP thread per process: OMP_NUM_THREADS=1 (unless set) for this process and every subprocess a test starts,
+# set here, before any test module imports torch. The tests' tensors are tiny, and on a loaded machine OpenMP's
+# threads spin-wait for each other: tests/test_runtime.py and tests/test_examples_realistic.py took 173 s instead of
+# 41 s beside busy processes. expq's CPU pipeline runs torch on one thread anyway (pipeline.cpu_threads).
+# =====================================================================================================
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# Tests marked slow (a kill at every fsync, the CI recipe end to end, the kernel tuner end to end) run with
+# EXPQ_SLOW=1 only: `make test-slow` runs them, and CI runs it after `make test`.
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EXPQ_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: EXPQ_SLOW=1 (make test-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+# ======================================= end of test set-up ==========================================
+
+
+# =====================================================================================================
 # hub_server fixture: a local Hugging Face Hub-compatible server (tests/hub_server.py) that the real
 # huggingface_hub client talks to through HF_ENDPOINT. Self-contained block: keep it together when
 # adding other fixtures to this file.
@@ -33,3 +58,39 @@ def hub_server(tmp_path, monkeypatch):
 
 
 # ===================================== end of hub_server fixture =====================================
+
+
+# =====================================================================================================
+# Report header: the arithmetic paths this CPU takes (numpy's OpenBLAS sgemm kernel, which tl.dot uses under Triton's
+# interpreter; numpy's and ATen's SIMD levels). Results of order-sensitive code differ between them (see
+# tests/test_kernels.py); `make test-cpu-variants` runs the tests that depend on them under each.
+# =====================================================================================================
+def _openblas_core() -> str:
+    import ctypes
+
+    import numpy  # noqa: F401  (loads numpy's OpenBLAS)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return "unknown"
+    for lib in sorted(libs):
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                     "openblas_get_corename"):
+            func = getattr(ctypes.CDLL(lib), name, None)
+            if func is not None:
+                func.restype = ctypes.c_char_p
+                return func().decode()
+    return "unknown"
+
+
+def pytest_report_header(config):
+    import numpy
+    import torch
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    simd = [d for d in __cpu_dispatch__ if __cpu_features__.get(d)]
+    return (f"arithmetic paths: OpenBLAS kernel {_openblas_core()}; numpy {numpy.__version__} SIMD "
+            f"{'+'.join(simd) or 'baseline'}; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}")
+# ====================================== end of report header =========================================

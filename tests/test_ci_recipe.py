@@ -60,6 +60,7 @@ def _same_bytes(remote: dict[str, dict], local: Path) -> None:
     assert got == want
 
 
+@pytest.mark.slow  # five runs of the recipe, each a dozen expq subprocesses: make test-slow
 def test_recipe_end_to_end(hub_server, recipe, tmp_path):
     run, folder, work = recipe
     first = hub_server.head(SRC)

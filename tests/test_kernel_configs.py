@@ -245,6 +245,7 @@ def test_check_config():
     assert math.isinf(moe_mod._CONFIG_TABLE[-1][0])
 
 
+@pytest.mark.slow  # bench/tune_kernel.py run five or six times, each in a fresh interpreter: make test-slow
 def test_tuner_on_the_interpreter(tmp_path):
     """bench/tune_kernel.py end to end on CPU (interpreter, a tiny shape, a space of a config without SPLIT_K /
     SWAP_AB and one with SPLIT_K 2 and SWAP_AB, plus the default): budget stop, resume, and a table that the lookup
@@ -300,6 +301,7 @@ def test_tuner_on_the_interpreter(tmp_path):
     assert p.returncode != 0 and "a table for 'NVIDIA H200'" in p.stderr
 
 
+@pytest.mark.slow  # bench/tune_kernel.py run five or six times, each in a fresh interpreter: make test-slow
 def test_tuner_resume_keeps_the_base_and_drops_refused_configs(tmp_path):
     """A run started with --base and resumed without it still writes the base's entries; a raw file holding a
     config that check_config now refuses (an earlier space's) resumes without it (recorded as an error, never the

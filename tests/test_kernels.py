@@ -20,6 +20,23 @@ GEMM2 do not amplify relative errors by more than ~2 on these well-conditioned r
 token ~ 1.6u. Bounds: rel <= 8u and token <= 16u (fp16: 3.9e-3 and 7.8e-3): a factor 8 above what is measured, and
 a factor ~50 below the negative control (one expert's scales doubled gives rel ~ 0.2 to 0.4). fp32 activations: the
 only error is fp32 accumulation (u = 2^-24 ~ 6e-8, K <= 96 terms, measured rel ~ 3e-7); bound 1e-5 rel, 2e-5 token.
+
+Bit-identity between two runs is asserted only where every output element goes through the same operations in the
+same order. Under the interpreter, ``tl.dot`` is ``np.matmul`` on fp32 tiles, i.e. OpenBLAS's sgemm, whose kernel is
+picked at run time for the CPU (numpy's wheels are built with DYNAMIC_ARCH): the Haswell kernel (AMD EPYC, any AVX2
+CPU) sums an element's K products in an order that depends on the element's place in the tile (rows 6-11 of a
+16-row tile in one sequential FMA chain, the other rows otherwise), the SkylakeX kernel (AVX-512 Intel Xeon) in one
+sequential FMA chain for every element. So two runs are bit-identical on every CPU only when they make the same
+``np.matmul`` calls on operands with each element at the same place (same tile shapes, same row and column in the
+tile, same K blocks); elementwise steps (numpy's exp, division, casts; erf through math.erf) give an element the same
+bits wherever it sits in its array (checked on numpy's AVX-512, AVX2 and baseline loops). Where the order
+differs (SWAP_AB's transposed tiles put a token in a column instead of a row; SPLIT_K sums fp32 partials; FUSE_ACT
+with I not a multiple of BLOCK_SIZE_N puts the up columns elsewhere in the tile) the two runs are compared with
+ORDER_BOUND, and each with the fp32 reference. ORDER_BOUND: fp32 activations carry the fp32 accumulation error of
+each order (measured up to 2.6u32 rel = 1.6e-7 on the Haswell kernel, 1.3u32 on SkylakeX): bound 8 u32 = 4.8e-7;
+16-bit activations are rounded at the same four points in both runs, which hides the fp32 difference except for a
+rare flipped rounding: bound 2u (measured <= 0.06u). ``make test-cpu-variants`` runs the kernel, scheme and golden
+tests under each OpenBLAS kernel and numpy SIMD level this machine can emulate.
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 REL_BOUND = {torch.float16: 8 * UNIT_ROUNDOFF[torch.float16], torch.bfloat16: 8 * UNIT_ROUNDOFF[torch.bfloat16],
              torch.float32: 1e-5}
 TOKEN_BOUND = {dt: 2 * b for dt, b in REL_BOUND.items()}
+ORDER_BOUND = {torch.float16: 2 * UNIT_ROUNDOFF[torch.float16], torch.float32: 8 * 2.0**-24}  # two orders of one sum
 
 # Sizes: H and I are not multiples of the interpreter tiles (BLOCK_N = BLOCK_K = 32), nor of 16.
 E, H, I = 6, 72, 40
@@ -198,14 +216,23 @@ UNSORTED_KNOBS = [dict(), dict(FUSE_ACT=True), dict(SPLIT_K=2), dict(SWAP_AB=Tru
 def test_decode_without_the_sort_equals_the_sorted_pipeline(interpret, monkeypatch, knobs, e, t, top_k, bias,
                                                             ids_dtype):
     # one token, or T * top_k <= E / 8: each pair is a block of its own, its expert read from topk_ids (no sort
-    # launch); the output is bit for bit the sorted pipeline's (forced by a sorts_pairs that always says yes)
+    # launch); the output is the sorted pipeline's (forced by a sorts_pairs that always says yes): bit for bit when
+    # every expert has one pair (row 0 of its block in both runs, padding rows around it: the same np.matmul calls);
+    # the (64, 2, 4) problem gives expert 31 two pairs, the second in row 1 of the sorted block, where an sgemm
+    # kernel may sum in another order (module docstring): ORDER_BOUND there.
     args, kwargs = make_problem(e=e, t=t, top_k=top_k, seed=60 + t, bias=bias)
     args = args[:6] + (args[6].to(ids_dtype),)
     cfg = dict(moe_mod.get_config(t, e, top_k, "cpu"), **knobs)
     assert not moe_mod.sorts_pairs(t, top_k, e) and moe_mod.sorts_pairs(9, top_k, e)
     unsorted = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
     monkeypatch.setattr(moe_mod, "sorts_pairs", lambda *a: True)
-    assert torch.equal(unsorted, moe_mod.fused_moe_triton(*args, **kwargs, config=cfg))
+    sorted_ = moe_mod.fused_moe_triton(*args, **kwargs, config=cfg)
+    ids = args[6].reshape(-1).tolist()
+    assert (len(set(ids)) < len(ids)) == (t == 2)  # both kinds are exercised
+    if len(set(ids)) == len(ids):
+        assert torch.equal(unsorted, sorted_)
+    else:
+        assert errors(unsorted, sorted_.float())[0] <= ORDER_BOUND[torch.float16]
     ref = moe_mod.moe_reference(*args, **kwargs)
     assert (unsorted.float() - ref).abs().max() <= 8 * 2**-11 * ref.abs().max()
 
@@ -535,7 +562,9 @@ def test_block_configs():
 @pytest.mark.parametrize("top_k,bias,activation", [(2, False, "silu"), (1, True, "swigluoai"), (3, True, "gelu")])
 def test_split_k_and_swap_ab(split_k, swap_ab, top_k, bias, activation, dtype):
     # SPLIT_K splits GEMM2's K (= I = 40, two BLOCK_K=32 blocks, the last partial: SPLIT_K 4 and 8 are clamped to 2);
-    # SWAP_AB computes both GEMMs' tiles transposed. Same bounds as the unsplit kernel, and within 2u of it.
+    # SWAP_AB computes both GEMMs' tiles transposed. Same bounds as the unsplit kernel, and within ORDER_BOUND of it:
+    # not bit-identical, even at SPLIT_K 1, since a transposed tile puts an output element at another place of the
+    # sgemm tile, where OpenBLAS's Haswell kernel (AMD EPYC) sums its products in another order (module docstring).
     args, kwargs = make_problem(t=21, top_k=top_k, dtype=dtype, seed=40 + split_k + top_k, bias=bias)
     kwargs["activation"] = activation
     cfg = dict(moe_mod.get_config(21, E, top_k, "cpu"), SPLIT_K=split_k, SWAP_AB=swap_ab)
@@ -544,28 +573,34 @@ def test_split_k_and_swap_ab(split_k, swap_ab, top_k, bias, activation, dtype):
     assert out.dtype == dtype and out.shape == (21, H)
     assert_close_to_reference(out, ref, dtype, f"SPLIT_K={split_k} SWAP_AB={swap_ab}")
     plain = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, SPLIT_K=1, SWAP_AB=False))
-    u = UNIT_ROUNDOFF.get(dtype, 2.0**-24)
-    assert errors(out, plain.float())[0] <= 2 * u
-    if split_k == 1:  # the transposed tile does the same arithmetic per output element
-        assert torch.equal(out, plain)
+    assert errors(out, plain.float())[0] <= ORDER_BOUND[dtype]
 
 
+# (activation, bias, H, I, dtype). I = 40 is not a multiple of the interpreter's BLOCK_SIZE_N (32): the fused GEMM1's
+# up tiles start at column 0 of a tile, the unfused GEMM1's up columns (from column I of [gate | up]) at column 8, so
+# the two runs sum an up element at different places of the sgemm tile: ORDER_BOUND. I = 64: every gate and up
+# element sits at the same row and column of a same-shaped tile in both runs: bit-identical (fp32 too).
 FUSED_CASES = [(a, True, H, I, torch.float16) for a in ACTIVATIONS] + [
-    ("silu", False, H, I, torch.float32), ("swigluoai", True, 96, 64, torch.float16)]  # fp32; unmasked K loop
+    ("silu", False, H, I, torch.float32), ("silu", False, H, 64, torch.float32), ("gelu", True, H, 64, torch.float32),
+    ("swigluoai", True, 96, 64, torch.float16)]  # the last: the unmasked K loop
 
 
 @pytest.mark.parametrize("activation,bias,h,i,dtype", FUSED_CASES,
-                         ids=[f"{c[0]}-{'bias' if c[1] else 'nobias'}-H{c[2]}-{str(c[4])[6:]}" for c in FUSED_CASES])
-def test_fused_activation_is_bit_identical(activation, bias, h, i, dtype):
+                         ids=[f"{c[0]}-{'bias' if c[1] else 'nobias'}-H{c[2]}-I{c[3]}-{str(c[4])[6:]}"
+                              for c in FUSED_CASES])
+def test_fused_activation_equals_the_unfused_pipeline(activation, bias, h, i, dtype):
     # FUSE_ACT: GEMM1 computes the gate and up tiles itself and stores act(gate) * up, rounding gate and up to the
-    # activation dtype first as the unfused pipeline's cache does: the same bits, one launch fewer.
+    # activation dtype first as the unfused pipeline's cache does: the same arithmetic, one launch fewer.
     args, kwargs = make_problem(h=h, i=i, t=19, top_k=2, dtype=dtype, seed=50 + i, bias=bias,
                                 w13_gain=3.0 if activation == "swigluoai" else 1.0)
     kwargs["activation"] = activation
     cfg = moe_mod.get_config(19, E, 2, "cpu")
     plain = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=False))
     fused = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=True))
-    assert torch.equal(fused, plain)
+    if i % cfg["BLOCK_SIZE_N"] == 0:  # the same np.matmul calls element for element (see FUSED_CASES)
+        assert torch.equal(fused, plain)
+    else:
+        assert errors(fused, plain.float())[0] <= ORDER_BOUND[dtype]
     assert_close_to_reference(fused, moe_reference(*args, **kwargs), dtype, f"FUSE_ACT {activation}")
     split = moe_mod.fused_moe_triton(*args, **kwargs, config=dict(cfg, FUSE_ACT=True, SPLIT_K=2))
     assert_close_to_reference(split, moe_reference(*args, **kwargs), dtype, "FUSE_ACT + SPLIT_K")

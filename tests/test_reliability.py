@@ -53,11 +53,10 @@ def leftovers(parent):
     return sorted(p.name for p in parent.iterdir() if p.name not in ("out", NOTE))
 
 
-SWEEPS = [("fsync", True), ("rename", True), ("rename", False),
-          # the new-OUT fsync sweep kills at the same points as the overwrite one, less the exchange's journal write;
-          # it is the slowest test (one subprocess a point): run it with EXPQ_SLOW=1 (make test-faults)
-          pytest.param("fsync", False, marks=pytest.mark.skipif(os.environ.get("EXPQ_SLOW") != "1",
-                                                                reason="EXPQ_SLOW=1 (make test-faults)"))]
+# The fsync sweeps are the slowest tests (one subprocess a point, ten points or more): marked slow (make test-slow,
+# make test-faults); the new-OUT one kills at the same points as the overwrite one, less the exchange's journal write.
+SWEEPS = [pytest.param("fsync", True, marks=pytest.mark.slow), ("rename", True), ("rename", False),
+          pytest.param("fsync", False, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("point,replace", SWEEPS,
