@@ -1,8 +1,8 @@
 """``make demo`` (``python -m expq.demo DIR``), the README's first command, as a new user runs it: in a folder whose
 name has spaces and brackets, its output in a log (CI).
 
-About 45 s on an idle 2-core machine (every step a real ``expq`` process), so it runs with ``EXPQ_SLOW=1`` only,
-like the slowest fault sweep; ``make demo`` itself runs the same code."""
+About 45 s on an idle 2-core machine (every step a real ``expq`` process), so it is marked slow: ``make test-slow``
+runs it (CI too, after ``make test``); ``make demo`` itself runs the same code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 
-@pytest.mark.skipif(os.environ.get("EXPQ_SLOW") != "1", reason="EXPQ_SLOW=1 (about 45 s: the whole demo)")
+@pytest.mark.slow
 def test_demo_runs_and_says_what_it_shows(tmp_path):
     work = tmp_path / "my demo [1]"
     env = {**os.environ, "CI": "true"}
