@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
+from .version import __version__
 from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
 from .errors import HubError, Interrupted, UsageError, option

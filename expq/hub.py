@@ -15,7 +15,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import clients, stock_transformers_misloads
 from .errors import ExpqError, UsageError, option

@@ -30,7 +30,7 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..experts import ExpertMap, Matrix, TensorLike
 from .base import ReadByName, TensorSpec
 
