@@ -120,7 +120,7 @@ def test_tp_slices_equal_checkpoint(family, tp, converted):
             assert torch.equal(m.w2_weight, lx.w2[:, :, mine])
             assert torch.equal(m.w2_scale, lx.w2_scale)  # the full row, every rank
         # the ranks put together are the whole layer
-        cat = lambda k, d: torch.cat([mods[L].__getattr__(k) for mods in ranks], dim=d)  # noqa: E731
+        cat = lambda k, d, L=L: torch.cat([mods[L].__getattr__(k) for mods in ranks], dim=d)  # noqa: E731
         gate = torch.cat([mods[L].w13_weight[:, :I_r] for mods in ranks], dim=1)
         up = torch.cat([mods[L].w13_weight[:, I_r:] for mods in ranks], dim=1)
         assert torch.equal(torch.cat([gate, up], dim=1), lx.w13)
@@ -458,7 +458,7 @@ def test_register_on_unsupported_vllm_refuses_only_expq_checkpoints(fake_vllm):
         cls.from_config({"quant_method": plugin.QUANT_METHOD})
     # a process that unpickles the working plugin's config on this vLLM is told why the class is missing
     with pytest.raises(AttributeError, match="'ExpqExpertsInt8Config': vLLM 0.99.0 lacks"):
-        getattr(plugin, "ExpqExpertsInt8Config")
+        _ = plugin.ExpqExpertsInt8Config
 
 
 def test_dtype_other_than_the_conversion_is_warned(converted, caplog):
