@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.expq-installed
 DEMO   ?= build/demo
 
-.PHONY: install lock demo test test-slow test-faults test-cpu-variants test-gpu test-vllm fuzz bench bench-llmc clean
+.PHONY: install lock demo lint test test-slow test-faults test-cpu-variants test-gpu test-vllm fuzz bench bench-llmc clean
 
 install: $(STAMP)
 
@@ -44,8 +44,13 @@ lock:
 demo: $(STAMP)
 	$(PY) -m expq.demo $(DEMO)
 
+# The linter first (ruff, configured in pyproject.toml: a few seconds), then the tests.
 test: $(STAMP)
+	$(PY) -m ruff check expq tests bench
 	$(PY) -m pytest -q -x --durations=15 tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check expq tests bench
 
 # Every fault sweep, the slow ones included (a kill at every fsync of a new OUT and of an overwrite).
 test-faults: $(STAMP)

@@ -448,7 +448,7 @@ def e2e(layers, decode_batch, prefill_len, work, reps, json_path, profile_host=F
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         with torch.no_grad():
-            for pname, p in model.named_parameters():
+            for p in model.parameters():
                 p.copy_(torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * 0.02)
         model.config.dtype = torch.bfloat16
         model.save_pretrained(src, max_shard_size="4GB")

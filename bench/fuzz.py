@@ -38,7 +38,7 @@ def run(target, strategy, n: int, rng_seed: int, counts: Counts) -> None:
         signal.alarm(10)  # an input that hangs the reader is a crash too
         try:
             target(value, counts)
-        except Exception as e:  # a crash or an oracle failure: count it and go on
+        except Exception as e:  # noqa: BLE001 - a crash or an oracle failure: count it and go on
             counts.crashes.append(f"{type(e).__name__}: {str(e)[:200]} | input {value!r:.200}"
                                   f" | {traceback.format_exc().splitlines()[-3].strip()}")
         finally:

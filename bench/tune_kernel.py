@@ -265,7 +265,7 @@ def plan(shapes, tokens, quick, refine, default_of=None) -> dict:
         def default_of(t, e, top_k):
             return moe.get_config(t, e, top_k, "cuda", tuned=False)
     points, shapes_out = [], {}
-    for name, (e, h, i, top_k) in shapes:
+    for name, (e, _h, i, top_k) in shapes:
         compiled: dict = {}
         extra_b = extra_sk = 0
         for t in tokens:

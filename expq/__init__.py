@@ -8,7 +8,7 @@ Python API (the CLI ``expq`` is a thin layer over it):
 * ``expq.push(out, repo_id, ...)``
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _EXPORTS = {
     "convert": "api", "inspect": "api", "ConvertReport": "api",

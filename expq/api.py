@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
+from .version import __version__
 from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
 from .errors import HubError, Interrupted, UsageError, option
@@ -213,7 +213,7 @@ def refuse_random_experts(plan: Plan, *, allowed: bool) -> None:
     why = stock_transformers_misloads(plan.format, plan.layout)
     if not why or allowed:
         return
-    safe = [name for name, cls in FORMATS.items() if not cls.stock_transformers_loads]
+    safe = [name for name, cls in FORMATS.items() if cls.expq_loads]
     raise UsageError(f"refusing to write {plan.format.name}: {why}",
                      hint=f"use {' or '.join(option('format', n) for n in safe)}, which stock transformers refuses "
                           f"with an error instead, or pass {option('allow_random_experts_in_transformers')} for a "
@@ -354,7 +354,7 @@ class _RayRun:
         outdir.commit()
         (here / "README.md").write_text(model_card(here, repo_id))
         urls, _ = cluster.publish(here, plan, results, repo_id, token,
-                                  commit_message=f"Upload experts-int8 checkpoint made with expq {__version__}")
+                                  commit_message=f"Upload {plan.format.name} checkpoint made with expq {__version__}")
         return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)
 
 

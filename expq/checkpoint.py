@@ -88,7 +88,9 @@ class ConvertedCheckpoint:
             for t in sh.tensors:
                 self.tensors.setdefault(t.name, t)
         self.experts = ExpertMap.from_checkpoint(self.layout, self.config, self.tensors)
-        self.format: Format = get_format(self._format_name(), self.experts, self.scale_dtype)
+        format_name = self._format_name()
+        self.scale_dtype = self._scale_dtype(format_name)
+        self.format: Format = get_format(format_name, self.experts, self.scale_dtype)
         self.modules = self.format.quantized_modules(list(self.tensors))
 
     def _layout(self) -> Layout:
@@ -102,12 +104,22 @@ class ConvertedCheckpoint:
         return detect_layout(self.config)[0]
 
     def _format_name(self) -> str:
+        """The manifest's format, else the format whose ``quant_method`` config.json names.
+
+        Raises:
+            SourceError: neither names a registered format.
+        """
         if self.manifest is not None:
             if self.manifest.format not in FORMATS:
                 raise SourceError(f"format {self.manifest.format!r} is not an expq output format (known: "
                                   f"{', '.join(FORMATS)})", file=str(self.root / MANIFEST))
             return self.manifest.format
-        return format_for_quant_method(self.quantization_config.get("quant_method")) or next(iter(FORMATS))
+        method = self.quantization_config.get("quant_method")
+        name = format_for_quant_method(method)
+        if name is None:
+            raise SourceError(f"quantization_config quant_method {method!r} is not an expq output format's (known: "
+                              f"{', '.join(FORMATS[n].quant_method for n in FORMATS)})", file="config.json")
+        return name
 
     # --- what callers ask -----------------------------------------------------------------------------------------
     @property
@@ -126,12 +138,13 @@ class ConvertedCheckpoint:
     def top_k(self) -> int | None:
         return self.experts.top_k
 
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        """The compute dtype the scales are stored in (the manifest's, else a stored scale's)."""
+    def _scale_dtype(self, format_name: str) -> torch.dtype:
+        """The compute dtype the scales were computed in: the manifest's, else the stored dtype of a tensor with the
+        format's scale suffix (bfloat16 if none)."""
         if self.manifest is not None and self.manifest.options.dtype in COMPUTE_DTYPES:
             return COMPUTE_DTYPES[self.manifest.options.dtype]
-        any_scale = next((t for n, t in self.tensors.items() if n.endswith(".weight_scale")), None)
+        suffix = "." + FORMATS[format_name].suffixes["scale"]
+        any_scale = next((t for n, t in self.tensors.items() if n.endswith(suffix)), None)
         return TORCH_DTYPES.get(any_scale.dtype, torch.bfloat16) if any_scale else torch.bfloat16
 
     def read(self, name: str) -> torch.Tensor:

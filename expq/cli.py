@@ -31,6 +31,7 @@ from typer.core import TyperArgument, TyperCommand
 
 from . import options
 from .errors import ExpqError, cli_options
+from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
 
@@ -126,8 +127,8 @@ def convert(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
     out_dir: Annotated[Optional[Path], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
                                                       "be empty); omitted with --to-hub.")] = None,
-    format: Annotated[str, typer.Option("--format", help="Output format: auto (the family's default; inspect says "
-                                        "which and why), compressed-tensors or experts-int8.")] = "auto",
+    format: Annotated[str, typer.Option("--format", help=f"Output format: {AUTO} (the family's default; inspect says "
+                                        f"which and why), {' or '.join(FORMATS)}.")] = AUTO,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (vLLM's --dtype auto rule), bfloat16, float16, "
                                             "float32.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or cuda:0,cuda:1,...")] = "auto",
@@ -157,9 +158,9 @@ def convert(
     allow_random_experts_in_transformers: Annotated[bool, typer.Option(
         "--allow-random-experts-in-transformers",
         help="Write a --format that stock transformers would load with randomly initialised experts for this "
-             "family (compressed-tensors where the family's layout says [clients] transformers = false; inspect "
-             "warns), for a checkpoint only meant for vLLM or expq; refused without this flag. verify and the "
-             "model card say so.")] = False,
+             "family (one stock transformers reads, where the family's layout says [clients] transformers = false; "
+             "inspect warns), for a checkpoint only meant for vLLM or expq; refused without this flag. verify and "
+             "the model card say so.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
@@ -267,7 +268,7 @@ def inspect(
     layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard.")] = "5GB",
-    format: Annotated[str, typer.Option("--format", help="Output format (as for convert).")] = "auto",
+    format: Annotated[str, typer.Option("--format", help="Output format (as for convert).")] = AUTO,
     token: Annotated[Optional[str], typer.Option(help="Hub token.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor and what happens to it.")] = False,

@@ -181,10 +181,6 @@ class ExpertMap:
         return em
 
     # --- questions the rest of expq asks --------------------------------------------------------------------------
-    def is_routed_expert(self, name: str) -> bool:
-        """Whether a source tensor holds routed experts that are quantized (MTP-layer experts are not)."""
-        return name in self.tensors
-
     def module_name(self, layer: int, expert: int, proj: str) -> str:
         """Output module name of one routed-expert projection, e.g. ``model.layers.3.mlp.experts.7.gate_proj``."""
         mod = self.layout.out_module.format(expert=expert)

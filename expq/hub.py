@@ -15,9 +15,9 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 from .checkpoint import ConvertedCheckpoint, open_checkpoint
-from .engines.clients import clients, stock_transformers_misloads
+from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, UsageError, option
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
@@ -234,7 +234,7 @@ def library_name(ck: ConvertedCheckpoint) -> str:
     """The card's ``library_name``: ``transformers`` where stock transformers loads the checkpoint with the right
     experts, else ``expq`` (stock transformers refuses experts-int8, and would run random experts for a family whose
     layout says ``[clients] transformers = false``)."""
-    right = ck.format.stock_transformers_loads and not stock_transformers_misloads(ck.format, ck.layout)
+    right = not ck.format.expq_loads and not stock_transformers_misloads(ck.format, ck.layout)
     return "transformers" if right else "expq"
 
 
@@ -247,7 +247,7 @@ def card_warnings(ck: ConvertedCheckpoint) -> list[str]:
 def _card_warning(ck: ConvertedCheckpoint) -> list[str]:
     """The card's first lines: each warning as a quoted paragraph, naming the engines that do load it right."""
     loaders = [{"vLLM": "vLLM", "expq": "`expq.load_model`"}.get(c.engine, c.engine)
-               for c in clients(ck.format.name, ck.layout, ck.experts.hidden_size) if c.loads]
+               for c in ck.format.clients(ck.layout, ck.experts.hidden_size) if c.loads]
     right = f" {' and '.join(loaders)} load{'s' if len(loaders) == 1 else ''} it right." if loaders else ""
     return [line for w in card_warnings(ck)
             for line in (f"> **Warning: do not load this checkpoint with stock transformers.** {w[0].upper() + w[1:]}."
@@ -306,7 +306,7 @@ def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install
         command += " --allow-random-experts-in-transformers"
     return ["## How it was made", "", "```bash", how.command, command.replace(" OUT", " " + name, 1), "```", "",
             f"expq {m.expq_version}, output format {ck.format.name}" + (
-                f" (compressed-tensors config version {ck.quantization_config['version']})."
+                f" ({ck.format.quant_method} config version {ck.quantization_config['version']})."
                 if "version" in ck.quantization_config else ".")]
 
 
@@ -333,7 +333,7 @@ def _card_usage(ck: ConvertedCheckpoint, m: Manifest, repo_id: str, how: Install
     lines = ["## How to use it", "", _card_format(ck), "",
              "expq is not on a package index; where a command below uses it, install it first:", "", "```bash",
              how.command, "```"]
-    for c in clients(ck.format.name, lay, m.plan.hidden_size):
+    for c in ck.format.clients(lay, m.plan.hidden_size):
         lines += ["", f"### {c.engine}", ""]
         if c.loads:
             lines += [f"```{c.language}", c.for_model(repo_id, how.command), "```"] + (["", c.note] if c.note else [])
@@ -351,7 +351,7 @@ def _card_format(ck: ConvertedCheckpoint) -> str:
     line = f"Format: **{fmt.name}**"
     if fmt.name != lay.default_format:
         return line + "."
-    if not fmt.stock_transformers_loads and not lay.stock_transformers:
+    if fmt.expq_loads and not lay.stock_transformers:
         return line + (" (this family's default: stock transformers cannot map per-expert quantized tensors onto "
                        "this family's stacked experts, so from a checkpoint it reads it would run randomly "
                        "initialised experts; it refuses this one with an error, and transformers after `import expq` "
@@ -365,7 +365,7 @@ def _kept_summary(ck: ConvertedCheckpoint, dense: list, extra: list) -> str:
     kinds = shared_facts().kept_kinds
     counts: dict[str, int] = {}
     for name in ck.tensors:
-        if ck.format.owns(name):
+        if ck.format.classify(name) is not None:
             continue
         label = next((k.label for k in kinds if any(c in name for c in k.contains)), "other")
         counts[label] = counts.get(label, 0) + 1
@@ -459,7 +459,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     with card_in_place(out / "README.md", card):  # the previous README.md comes back if the push fails
         try:
             _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
-                    commit_message=commit_message or f"Upload experts-int8 checkpoint made with expq {__version__}",
+                    commit_message=commit_message or f"Upload {ck.format.name} checkpoint made with expq {__version__}",
                     token=tok)
         except ExpqError as e:
             e.message = _scrub(e.message, tok)

@@ -26,14 +26,15 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from .errors import LayoutError
+from .formats import DEFAULT as DEFAULT_FORMAT
+from .formats import FORMATS
 
 CONFIGS_DIR = Path(__file__).parent / "configs"  # a link to the repository's configs/; a real folder in a wheel
 SHARED_FILE = "_shared.toml"
 PROJECTIONS = ("gate", "up", "down")
-ORIENTATIONS = ("out_in", "in_out")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 # Config keys that say which decoder layers are MoE layers; a layout lists the ones its family uses.
@@ -132,17 +133,23 @@ class RuntimeSection(_Schema):
 
 
 class ClientsSection(_Schema):
-    """``[clients]``: what stock clients do with the compressed-tensors output for this family, and the output
+    """``[clients]``: what stock clients do with this family's output in the format they load, and the output
     format ``expq convert`` writes by default for it (and why)."""
 
     transformers: bool = Field(True, description="true or false")
-    format: Literal["compressed-tensors", "experts-int8"] = Field(
-        "compressed-tensors", description="compressed-tensors or experts-int8")
+    format: str = Field(DEFAULT_FORMAT, description="an output format's name (formats.FORMATS)")
     format_reason: str = Field("", description="a string")
-    vllm_plugin: str = Field("", description="a string (why expq's vLLM plugin cannot serve this family's "
-                                               "experts-int8 output; empty when it can)")
+    vllm_plugin: str = Field("", description="a string (why expq's vLLM plugin cannot serve this family; empty "
+                                               "when it can)")
     vllm: str = Field("", description="a string (why stock vLLM cannot serve it; empty when it can)")
     vllm_note: str = Field("", description="a string")
+
+    @field_validator("format")
+    @classmethod
+    def _registered_format(cls, name: str) -> str:
+        if name not in FORMATS:
+            raise ValueError(f"clients.format must be {' or '.join(FORMATS)}, got {name!r}")
+        return name
 
 
 class LayoutFile(_Schema):
@@ -165,7 +172,8 @@ _SECTIONS: dict[str, type[_Schema]] = {"": LayoutFile, "config": ConfigSection, 
 
 
 def _schema_error(e: ValidationError, path: str) -> LayoutError:
-    """The first schema error as one line naming the key (today's messages: unknown key, missing key, must be)."""
+    """The first schema error as one line naming the key: "unknown key K (known: ...)", "missing key K", or "K must
+    be <what the field's description says>, got V"; a validator's own message as it is."""
     err = e.errors()[0]
     fields = {f for m in _SECTIONS.values() for f in m.model_fields}
     raw = [str(x) for x in err["loc"]]
@@ -224,9 +232,9 @@ class Layout:
     runtime_forward: str = "topk"  # its calling convention: "topk" or "dense_premultiplied" (see configs/README.md)
     runtime_weight: str = "gate_up_proj"  # that module's fused experts weight (where stock transformers loads them)
     stock_transformers: bool = True  # stock transformers loads this format for the family
-    default_format: str = "compressed-tensors"  # what `expq convert` writes when --format is not given
+    default_format: str = DEFAULT_FORMAT  # what `expq convert` writes when --format is not given
     format_reason: str = ""  # why, for inspect and the card
-    vllm_plugin: str = ""  # why expq's vLLM plugin cannot serve the experts-int8 output ("" when it can)
+    vllm_plugin: str = ""  # why expq's vLLM plugin cannot serve this family ("" when it can)
     stock_vllm: str = ""  # why stock vLLM cannot serve it ("" when it can)
     vllm_note: str = ""  # a caveat for some model types of the family
     source_text: str = ""  # the layout file's text (carried in expq.json)

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import SourceError
+from .version import __version__
 
 MANIFEST = "expq.json"
 
@@ -121,8 +122,6 @@ class Manifest(_Record):
                   files: list[FileRecord]) -> "Manifest":
         """The manifest of a conversion: ``plan`` (``plan.Plan``), ``stats`` (``pipeline.RunStats``), the run's
         ``settings`` fingerprint and the ``files`` written (every output file but expq.json)."""
-        from . import __version__
-
         s = plan.summary()
         src = plan.source
         return cls(

@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from . import formats
 from .errors import UsageError
 
-AUTO = "auto"  # --format auto: the family's default (its layout's [clients] format)
-# The output formats' names (formats.FORMATS holds the classes; tests/test_options.py checks the two agree).
-FORMAT_NAMES = ("compressed-tensors", "experts-int8")
+AUTO = "auto"  # the default of --dtype and --device (and of --format: formats.AUTO)
 # Compute dtypes by name, and the other spellings accepted for them (scheme.COMPUTE_DTYPES maps names to torch).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -59,12 +58,6 @@ def check_source(src) -> None:
         raise UsageError("no such directory, and not a Hub repo id", file=str(src))
 
 
-def check_format(name: str) -> None:
-    """``auto`` or one of ``FORMAT_NAMES``."""
-    if name != AUTO and name not in FORMAT_NAMES:
-        raise UsageError(f"unknown --format {name!r}; supported: {AUTO}, {', '.join(FORMAT_NAMES)}")
-
-
 def check_dtype(name: str) -> None:
     """``auto``, a compute dtype name, or one of its aliases."""
     if name != AUTO and DTYPE_ALIASES.get(name, name) not in DTYPE_NAMES:
@@ -99,7 +92,7 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
                   ray: str | None, to_hub: str | None) -> None:
     """Every option of ``api.convert`` whose value alone can be wrong, and their combinations."""
     check_source(src)
-    check_format(format)
+    formats.check_name(format)
     check_dtype(dtype)
     check_devices(device)
     check_size(max_shard_size)
@@ -126,7 +119,7 @@ def check_repo_id(repo_id: str) -> None:
 def check_inspect(src, *, format: str, dtype: str, max_shard_size: str | int) -> None:
     """The options of ``api.inspect`` whose value alone can be wrong."""
     check_source(src)
-    check_format(format)
+    formats.check_name(format)
     check_dtype(dtype)
     check_size(max_shard_size)
 

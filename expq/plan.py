@@ -18,14 +18,14 @@ import torch
 from .decoders import LogicalTensor
 from .errors import LayoutError, SourceError
 from .experts import ExpertMap, ExpertTensor, Matrix
-from .engines.clients import clients, stock_transformers_misloads
-from .formats import Format, get_format
+from .engines.clients import stock_transformers_misloads
+from .formats import AUTO, Format, get_format
 from .layouts import Layout, detect_layout, load_layout, nested_configs
 from .options import parse_size
 from .scheme import resolve_compute_dtype
 from .source import DTYPE_BITS, FLOAT_DTYPES, Source
 
-DEFAULT_FORMAT = "auto"  # the family's default format (its layout's [clients] format)
+DEFAULT_FORMAT = AUTO  # the family's default format (its layout's [clients] format)
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
@@ -154,7 +154,7 @@ class Plan:
             "warnings": [w for w in (stock_transformers_misloads(self.format, self.layout),) if w],
             "clients": [{"engine": c.engine, "loads": c.loads, "command": c.one_line("OUT"), "note": c.note,
                          "commands": [{"when": w, "command": cmd} for w, cmd in c.variant_lines("OUT")]}
-                        for c in clients(self.format.name, self.layout, em.hidden_size, local=True)],
+                        for c in self.format.clients(self.layout, em.hidden_size, local=True)],
             "side_files": self.source.side_files,
             "skipped_files": self.source.skipped_files,
         }
@@ -166,7 +166,7 @@ class Plan:
             return f"chosen with --format (this family's default is {lay.default_format})"
         if lay.format_reason:
             return f"this family's default: {lay.format_reason}"
-        loads = [c.engine for c in clients(self.format.name, lay, self.experts.hidden_size, local=True)
+        loads = [c.engine for c in self.format.clients(lay, self.experts.hidden_size, local=True)
                  if c.loads and c.engine != "expq"]
         names = ", ".join(loads[:-1]) + (" and " if len(loads) > 1 else "") + (loads[-1] if loads else "")
         return "this family's default: " + (f"stock {names} load{'s' if len(loads) == 1 else ''} it"

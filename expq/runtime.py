@@ -194,7 +194,6 @@ def load_model(path: str | Path, device: str | torch.device | None = None, dtype
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as tlog
 
-    lay = ck.layout
     dev = parse_devices(str(device))[0] if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -39,7 +39,6 @@ TORCH_DTYPES = {
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
 }
-ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 # Files that hold weights in other formats (or weights the index does not reference): never copied to OUT.

@@ -172,8 +172,8 @@ class ShardStream:
         peak_bytes: the most bytes (file sizes) the stream folder held at once during this run: side files, shards,
             partial downloads and huggingface_hub's bookkeeping. Sampled just before each deletion and after each
             download, which is where the maximum lies.
-        downloaded: the shards this run fetched from the Hub, in order; ``reused``: complete shards an earlier run
-            left in the folder, kept because their sha256 matched.
+        downloaded: the shards this run fetched from the Hub, in order (not the complete shards an earlier run left
+            in the folder, kept because their sha256 matched).
     """
 
     def __init__(self, listing: StreamListing, folder: Path, lock_fd: int | None, *,
@@ -191,7 +191,6 @@ class ShardStream:
         self._thread: threading.Thread | None = None
         self.peak_bytes = folder_bytes(folder) if folder.is_dir() else 0  # the side files, already there
         self.downloaded: list[str] = []
-        self.reused: list[str] = []
 
     # --- SourceFeeder ------------------------------------------------------------------------------------------------
     def start(self, files: list[str]) -> None:
@@ -301,7 +300,8 @@ class ShardStream:
                 return
             with self._cv:
                 self._state[f] = "ready"
-                (self.reused if reused else self.downloaded).append(f)
+                if not reused:
+                    self.downloaded.append(f)
                 self._sample()  # the folder's largest at the end of a download
                 self._cv.notify_all()
 

@@ -28,7 +28,6 @@ def pytest_collection_modifyitems(config, items):
 # huggingface_hub client talks to through HF_ENDPOINT. Self-contained block: keep it together when
 # adding other fixtures to this file.
 # =====================================================================================================
-import pytest
 
 
 def _hub_server_module():

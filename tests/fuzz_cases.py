@@ -115,7 +115,7 @@ def library_reads(path: Path) -> list[tuple[str, str, list[int]]] | None:
                 sl = f.get_slice(k)
                 out.append((k, sl.get_dtype(), list(sl.get_shape())))
             return sorted(out)
-    except Exception:  # the library's SafetensorError, or a dtype numpy cannot represent: "refused" either way
+    except Exception:  # noqa: BLE001 - SafetensorError, or a dtype numpy cannot represent: "refused" either way
         return None
 
 

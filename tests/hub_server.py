@@ -570,7 +570,7 @@ class HubServer:
             if e.code:
                 headers["X-Error-Code"] = e.code
             resp = _json({"error": e.message, **e.extra}, e.status, headers)
-        except Exception as e:  # pragma: no cover - a server bug shows up as a 500 with the message
+        except Exception as e:  # noqa: BLE001 - a server bug shows up as a 500 with the message
             h.drain()
             resp = _json({"error": f"{type(e).__name__}: {e}"}, 500)
         with self._lock:

@@ -11,7 +11,7 @@ import pytest
 
 import expq
 from expq.errors import UsageError
-from expq.options import DTYPE_ALIASES, DTYPE_NAMES, FORMAT_NAMES, parse_size
+from expq.options import DTYPE_ALIASES, DTYPE_NAMES, parse_size
 
 # (argv, environment, the one line expected on stderr): each must exit 2 before torch is imported
 CASES = [
@@ -93,10 +93,8 @@ def test_the_api_says_the_same(tmp_path, tmp_path_factory):
 
 
 def test_names_agree_with_what_they_stand_for():
-    from expq.formats import FORMATS
     from expq.scheme import COMPUTE_DTYPES
 
-    assert tuple(FORMATS) == FORMAT_NAMES
     assert DTYPE_NAMES == tuple(COMPUTE_DTYPES)
     assert set(DTYPE_ALIASES.values()) <= set(DTYPE_NAMES)
 

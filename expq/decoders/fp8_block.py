@@ -88,7 +88,7 @@ class Fp8BlockDecoder:
         if not qc or qc.get("quant_method") != "fp8":
             return None
         dec = cls(_block_size(qc))
-        for name, ti in tensors.items():
+        for name in tensors:
             if name.endswith(".weight" + SCALE_SUFFIX):
                 w = tensors.get(name[: -len(SCALE_SUFFIX)])
                 if w is not None and w.dtype not in FP8_WEIGHT_DTYPES:

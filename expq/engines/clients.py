@@ -1,15 +1,17 @@
 """Which engines load a converted checkpoint, and with which command: one answer for ``inspect``, the model card and
 the README's client table.
 
-``clients(format, layout, hidden_size)`` returns, for vLLM, SGLang, transformers and expq's own loader, whether
-that engine loads this family in this format, the exact command (``{model}`` stands for the repo id or directory)
-and why not where it cannot. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
+A format's ``clients(layout, hidden_size)`` (``formats.base.Format``) returns, for vLLM, SGLang, transformers and
+expq's own loader, whether that engine loads this family in this format, the exact command (``{model}`` stands for
+the repo id or directory) and why not where it cannot; it builds them with ``expq_clients`` (a format only expq
+loads) or ``stock_w8a16_clients`` (the W8A16 format stock engines load) below. The family facts come from the layout's ``[clients]`` table and ``configs/_shared.toml``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats import FORMATS, Format
 from ..layouts import Layout, shared_facts
 from .vllm_compat import TESTED_RANGE
 
@@ -101,30 +103,49 @@ EXPQ = ('import expq\nfrom huggingface_hub import snapshot_download\n'
 EXPQ_LOCAL = 'import expq\nmodel = expq.load_model("{model}")  # a local directory: int8 experts, fused-MoE kernel'
 
 
-def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = False) -> list[Client]:
-    """vLLM, transformers and expq for checkpoints of ``layout``'s family in output format ``fmt``.
+def expq_clients(fmt: Format, layout: Layout, hidden_size: int | None, *, local: bool = False,
+                 vllm_plugin: bool = False) -> list[Client]:
+    """vLLM, SGLang, transformers and expq for a format only expq loads (``fmt.expq_loads``): vLLM through expq's
+    plugin where ``vllm_plugin`` (the plugin serves the format) and the family allows it, transformers after
+    ``import expq``, never SGLang.
 
     Args:
-        fmt: ``compressed-tensors`` or ``experts-int8``.
-        hidden_size: the model's (Marlin needs a multiple of 128 for compressed-tensors), or None if unknown.
+        hidden_size: the model's, or None if unknown (unused: no kernel here asks for a multiple).
         local: the model is a local directory (expq's command then needs no download).
     """
-    expq = Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)
-    if fmt == "experts-int8":
+    if not vllm_plugin:
+        vllm = Client("vLLM", False, "bash", None, f"expq's vLLM plugin does not serve the {fmt.name} format; "
+                      f"convert with {_formats(expq_loads=False)} for stock vLLM")
+    elif layout.vllm_plugin:
         vllm = Client("vLLM", False, "bash", None, f"expq's vLLM plugin cannot serve this family: "
-                      f"{layout.vllm_plugin}") if layout.vllm_plugin else None
-        return [vllm or Client("vLLM", True, "bash", VLLM_PLUGIN,
-                       "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
-                       "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs (`EXPQ_VLLM_KERNEL=expq` "
-                       "runs expq's fused-MoE kernel instead); stock vLLM without the "
-                       "plugin refuses the checkpoint (unknown quantization method)."),
-                sglang(fmt, layout, hidden_size),
-                Client("transformers", True, "python", TRANSFORMERS_EXPQ,
-                       "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
-                       "markers), never a model with random experts."),
-                expq]
+                      f"{layout.vllm_plugin}")
+    else:
+        vllm = Client("vLLM", True, "bash", VLLM_PLUGIN,
+                      "expq's plugin loads the int8 codes and fp32 scales as they are and runs vLLM's own int8 "
+                      "W8A16 fused-MoE kernel, the one `--quantization experts_int8` runs (`EXPQ_VLLM_KERNEL=expq` "
+                      "runs expq's fused-MoE kernel instead); stock vLLM without the "
+                      "plugin refuses the checkpoint (unknown quantization method).")
+    return [vllm,
+            Client("SGLang", False, "bash", None, f"SGLang has no loader for expq's {fmt.name} format; convert "
+                   f"with {_formats(expq_loads=False)} for SGLang"),
+            Client("transformers", True, "python", TRANSFORMERS_EXPQ,
+                   "stock transformers without `import expq` refuses it (a size-mismatch error on the layer "
+                   "markers), never a model with random experts."),
+            Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)]
+
+
+def stock_w8a16_clients(fmt: Format, layout: Layout, hidden_size: int | None, *,
+                        local: bool = False) -> list[Client]:
+    """vLLM, SGLang, transformers and expq for a W8A16 channel-wise format stock engines load themselves: vLLM and
+    SGLang through their WNA16 MoE (Marlin), stock transformers where the family's layout allows it, and expq.
+
+    Args:
+        hidden_size: the model's (Marlin needs a multiple of 128), or None if unknown.
+        local: the model is a local directory (expq's command then needs no download).
+    """
     advice = shared_facts().vllm
-    instead = ("; use `--format experts-int8` and expq's plugin" if not layout.vllm_plugin else
+    expq_formats = _formats(expq_loads=True)
+    instead = (f"; use {expq_formats} and expq's plugin" if not layout.vllm_plugin else
                f" (nor through expq's plugin: {layout.vllm_plugin})")
     if layout.stock_vllm:
         vllm = Client("vLLM", False, "bash", None, f"stock vLLM cannot serve this family in this format: "
@@ -143,16 +164,18 @@ def clients(fmt: str, layout: Layout, hidden_size: int | None, *, local: bool = 
     else:
         tf = Client("transformers", False, "python", None,
                     "stock transformers cannot map per-expert compressed tensors onto this family's stacked experts "
-                    "(it would leave them randomly initialised); use `--format experts-int8` or expq.load_model")
-    return [vllm, sglang(fmt, layout, hidden_size), tf, expq]
+                    f"(it would leave them randomly initialised); use {expq_formats} or expq.load_model")
+    return [vllm, sglang(layout, hidden_size), tf, Client("expq", True, "python", EXPQ_LOCAL if local else EXPQ)]
 
 
-def sglang(fmt: str, layout: Layout, hidden_size: int | None) -> Client:
-    """SGLang (``TESTED["SGLang"]``): the compressed-tensors output through its Marlin MoE, SiLU families that stock
-    vLLM's loaders serve too (SGLang looks experts up by the same per-expert names); not experts-int8."""
-    if fmt == "experts-int8":
-        return Client("SGLang", False, "bash", None, "SGLang has no loader for expq's experts-int8 format; convert "
-                      "with `--format compressed-tensors` for SGLang")
+def _formats(*, expq_loads: bool) -> str:
+    """The ``--format`` options of the registered formats that only expq loads, or that stock engines load."""
+    return " or ".join(f"`--format {name}`" for name, cls in FORMATS.items() if cls.expq_loads == expq_loads)
+
+
+def sglang(layout: Layout, hidden_size: int | None) -> Client:
+    """SGLang (``TESTED["SGLang"]``) for the W8A16 format stock engines load: through its Marlin MoE, SiLU families
+    that stock vLLM's loaders serve too (SGLang looks experts up by the same per-expert names)."""
     multiple = shared_facts().vllm.marlin_hidden_multiple
     why = (f"its compressed-tensors MoE (Marlin) runs SiLU only and this family's activation is {layout.activation}"
            if layout.activation not in SGLANG_ACTIVATIONS else
@@ -176,7 +199,7 @@ def stock_transformers_misloads(fmt, layout: Layout) -> str:
         layout: the family; its ``[clients] transformers`` says whether stock transformers maps the format's
             per-expert tensors onto the family's experts.
     """
-    if not fmt.stock_transformers_loads or layout.stock_transformers:
+    if fmt.expq_loads or layout.stock_transformers:
         return ""
     return (f"stock transformers loads {fmt.name} checkpoints of the {layout.name} family with randomly initialised "
             "routed experts, without an error (it has no conversion from per-expert quantized tensors to this "

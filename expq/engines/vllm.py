@@ -1,4 +1,5 @@
-"""The vLLM plugin: serve an ``expq convert --format experts-int8`` checkpoint with vLLM's own experts_int8 kernel.
+"""The vLLM plugin: serve a checkpoint in the format ``SERVED`` (``expq convert --format experts-int8``) with vLLM's
+own experts_int8 kernel.
 
 Entry point (``pyproject.toml``): ``[project.entry-points."vllm.general_plugins"] expq =
 "expq.engines.vllm:register"``; vLLM calls ``register()`` in every process it starts, possibly more than once.
@@ -43,11 +44,15 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..checkpoint import ConvertedCheckpoint
 from ..errors import ExpqError, LayoutError, SourceError
+from ..formats.experts_int8 import ExpertsInt8Format
 from . import vllm_compat as compat
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
 
-QUANT_METHOD = "expq_experts_int8"
+SERVED = ExpertsInt8Format
+"""The format the plugin serves: int8 codes and per-row scales, the tensors vLLM's experts_int8 method holds."""
+QUANT_METHOD = SERVED.quant_method
 """The ``quant_method`` of the checkpoint's ``quantization_config`` and the name of the registered vLLM config."""
 
 _LOCK = threading.Lock()
@@ -270,7 +275,7 @@ def _refuse_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args, **kw
     """The weight loader of the int8 expert parameters: only the plugin's routing fills them."""
     raise ExpqError(f"a {loaded_weight.dtype} {list(loaded_weight.shape)} tensor reached an expq int8 expert "
                     "parameter through the model's own loader; only the plugin's routing may fill it",
-                    hint="was this checkpoint written by expq convert --format experts-int8?")
+                    hint=f"was this checkpoint written by expq convert --format {SERVED.name}?")
 
 
 def _method_class(api: SimpleNamespace) -> type:
@@ -327,7 +332,7 @@ def _method_class(api: SimpleNamespace) -> type:
                     hint = "serve without --quantization: the checkpoint's quantization_config names the method"
                 else:
                     why = "the routing found no such layer"
-                    hint = "was the checkpoint written by expq convert --format experts-int8 for this model?"
+                    hint = f"was the checkpoint written by expq convert --format {SERVED.name} for this model?"
                 raise SourceError(f"{getattr(layer, 'layer_name', 'a MoE layer')}: no expq expert tensor was "
                                   f"loaded: {why}", hint=hint)
             self.loader.check_complete()
@@ -373,20 +378,17 @@ def routed_weights(weights: Iterable[tuple[str, torch.Tensor]], model_config, mo
     Raises:
         ExpqError: the checkpoint cannot be read, a layer cannot be found or does not fit, a piece is missing.
     """
-    from ..checkpoint import ConvertedCheckpoint
-
     it = iter(weights)
     first = next(it, None)
     if first is None:
         return
     ck = ConvertedCheckpoint(checkpoint_dir(model_config, download_dir))
-    classify = getattr(ck.format, "classify", None)
-    if classify is None:
-        raise SourceError(f"{model_config.model} is labelled {QUANT_METHOD} but its format "
-                          f"{type(ck.format).__name__} has no expert tensors to route")
+    if ck.format.quant_method != QUANT_METHOD:
+        raise SourceError(f"{model_config.model} is served as {QUANT_METHOD} but its format is {ck.format.name} "
+                          f"(quant_method {ck.format.quant_method})")
     _warn_dtype(ck, model_config)
     loaders = attach_loaders(model, ck)
-    yield from route_weights(itertools.chain([first], it), classify, loaders)
+    yield from route_weights(itertools.chain([first], it), ck.format.classify, loaders)
 
 
 def _warn_dtype(ck, model_config) -> None:

@@ -3,19 +3,26 @@
 A format is built for one model (``ExpertMap``) and compute dtype. The plan asks it for each matrix's output tensor
 specs (names, dtypes, shapes) before anything is written; the pipeline hands it the experts_int8 codes and scales
 and writes exactly the tensors ``encode`` returns, at the planned places; ``checkpoint`` asks ``decode`` for codes
-and scales back. The format also owns its ``quantization_config`` and the check of it that ``verify`` runs.
+and scales back. The format also owns its ``quantization_config`` and the check of it that ``verify`` runs, says
+what each of its tensors is (``classify``: the engines load through it) and which engines load it (``clients``:
+``inspect`` and the model card).
 
-To add a format: copy ``formats/experts_int8.py``, implement the protocol, and add it to ``formats.FORMATS``.
+To add a format: copy ``formats/experts_int8.py``, implement the protocol, and add one line to ``formats.FORMATS``
+(or, outside expq, ``FORMATS[MyFormat.name] = MyFormat``). A format with ``expq_loads`` is loaded by transformers
+after ``import expq`` (expq's quantizer, registered under its ``quant_method``) and by ``expq.load_model``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, NamedTuple, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:  # names for annotations only: this module imports nothing at run time (see formats/__init__.py)
+    import torch
 
-from ..experts import ExpertMap, Matrix, TensorLike
+    from ..engines.clients import Client
+    from ..experts import ExpertMap, Matrix, TensorLike
+    from ..layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -30,18 +37,33 @@ class TensorSpec:
     value: bytes | None = None
 
 
-ReadByName = Callable[[str], torch.Tensor]
+ReadByName = Callable[[str], "torch.Tensor"]
 """Reads one tensor of a converted checkpoint by name (raises ``SourceError`` if it is absent)."""
+
+
+class TensorRole(NamedTuple):
+    """What one output tensor is: a piece of the quantized module ``(layer, expert, proj)``, ``role`` being a key of
+    the format's ``suffixes`` (``"codes"``: int8 [out, in] as stored; ``"scale"``: the per-row scales [out]), or a
+    layer's marker: ``(layer, -1, "", "marker")``."""
+
+    layer: int
+    expert: int
+    proj: str
+    role: str
 
 
 class Format(Protocol):
     """An output format for experts_int8 codes and scales."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # --format and expq.json's format
     quant_method: ClassVar[str]  # what its quantization_config calls it
-    # Whether stock transformers (no expq) loads checkpoints in this format instead of refusing them; whether the
-    # experts it loads are right then depends on the family (its layout's ``[clients] transformers``).
-    stock_transformers_loads: ClassVar[bool]
+    # True: no stock engine knows ``quant_method``; expq registers it (transformers after ``import expq``) and stock
+    # clients refuse the checkpoint. False: stock clients load it themselves (stock transformers too, whose experts
+    # are then right or not depending on the family: its layout's ``[clients] transformers``).
+    expq_loads: ClassVar[bool]
+    # role -> tensor-name suffix of one quantized module's tensors (``M.<suffix>``); "scale" is always among them,
+    # and "codes" where a tensor holds the int8 codes [out, in] as they are.
+    suffixes: ClassVar[Mapping[str, str]]
     experts: ExpertMap
     compute_dtype: torch.dtype
 
@@ -78,8 +100,9 @@ class Format(Protocol):
         """
         ...
 
-    def owns(self, name: str) -> bool:
-        """Whether an output tensor belongs to a quantized routed-expert module of this format."""
+    def classify(self, name: str) -> TensorRole | None:
+        """What an output tensor is (a quantized module's piece, or a layer's marker), else None: a tensor that is
+        no part of this format, which every engine loads as it is."""
         ...
 
     def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
@@ -102,4 +125,10 @@ class Format(Protocol):
     def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:
         """Problems with a converted checkpoint's ``quantization_config`` (empty list: it is right), given the
         checkpoint's tensors."""
+        ...
+
+    def clients(self, layout: Layout, hidden_size: int | None, *, local: bool = False) -> list[Client]:
+        """Which engines load checkpoints of ``layout``'s family in this format, and with which command
+        (``engines.clients``: vLLM, SGLang, transformers, expq); ``hidden_size``: the model's, or None;
+        ``local``: the model is a local directory."""
         ...

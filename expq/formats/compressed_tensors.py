@@ -28,8 +28,10 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
+from ..engines.clients import Client, stock_w8a16_clients
 from ..experts import ExpertMap, Matrix, TensorLike
-from .base import ReadByName, TensorSpec
+from ..layouts import Layout
+from .base import ReadByName, TensorRole, TensorSpec
 
 PACK_BLOCK = 1 << 19  # elements per packing call on a CPU (measured best: 256K-1M, see docs/benchmarks.md)
 _ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
@@ -80,8 +82,9 @@ class CompressedTensorsFormat:
 
     name: ClassVar[str] = "compressed-tensors"
     quant_method: ClassVar[str] = "compressed-tensors"
-    stock_transformers_loads: ClassVar[bool] = True  # transformers' own compressed-tensors quantizer
-    SUFFIXES: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
+    expq_loads: ClassVar[bool] = False  # stock clients: transformers' own compressed-tensors quantizer, vLLM, SGLang
+    suffixes: ClassVar[Mapping[str, str]] = {"packed": "weight_packed", "scale": "weight_scale",
+                                             "shape": "weight_shape"}
 
     def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):
         self.experts = experts
@@ -121,7 +124,7 @@ class CompressedTensorsFormat:
         """Unpack one module with compressed-tensors' ``unpack_from_int32``. See ``Format.decode``."""
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-        packed, scale, shape = (read(f"{module}.{s}") for s in self.SUFFIXES)
+        packed, scale, shape = (read(f"{module}.{s}") for s in self.suffixes.values())
         if packed.dtype != torch.int32 or packed.dim() != 2:
             raise ValueError(f"weight_packed must be int32 2-D, got {packed.dtype} {list(packed.shape)}")
         if shape.numel() != 2:
@@ -135,12 +138,21 @@ class CompressedTensorsFormat:
                                lambda b: unpack_from_int32(b, 8, torch.Size([b.shape[0], cols])), cols)
         return codes, scale.reshape(out)
 
-    def owns(self, name: str) -> bool:
+    def classify(self, name: str) -> TensorRole | None:
+        """``(layer, expert, proj, "packed" | "scale" | "shape")`` for an expert tensor, else None. See
+        ``Format.classify``."""
         module, _, suffix = name.rpartition(".")
-        return suffix in self.SUFFIXES and self.experts.parse_module(module) is not None
+        role = next((r for r, s in self.suffixes.items() if s == suffix), None)
+        key = self.experts.parse_module(module) if role is not None else None
+        return None if key is None else TensorRole(*key, role)
 
     def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
         return self.experts.modules_with(names, "weight_packed")
+
+    def clients(self, layout: Layout, hidden_size: int | None, *, local: bool = False) -> list[Client]:
+        """Stock vLLM and SGLang (their W8A16 MoE on Marlin), stock transformers, ``expq.load_model``. See
+        ``Format.clients``."""
+        return stock_w8a16_clients(self, layout, hidden_size, local=local)
 
     # --- quantization_config --------------------------------------------------------------------------------------
     def targets(self) -> list[str]:

@@ -19,8 +19,9 @@ layer's fused experts weight from (the layout's ``[runtime]`` module and weight,
 ``import expq`` transformers uses expq's quantizer (``expq.engines.transformers``); vLLM serves it through expq's
 plugin (``expq.engines.vllm``); without them both refuse the checkpoint.
 
-The ``quantization_config`` names expq's own method, ``expq_experts_int8``: never ``experts_int8``, for which vLLM
-re-quantizes whatever the weights hold and ignores stored scales (``../shared/reference/facts.md`` §2).
+The ``quantization_config`` names expq's own method, ``expq_experts_int8``, never vLLM's ``experts_int8``: vLLM
+ignores the configuration of that method, quantizes whatever the weight tensors hold again (here: int8 codes, with
+scale 1.0) and drops the stored scales, silently for some models.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
-from .. import __version__
+from ..engines.clients import Client, expq_clients
 from ..experts import ExpertMap, Matrix, TensorLike
-from .base import ReadByName, TensorSpec
+from ..layouts import Layout
+from ..version import __version__
+from .base import ReadByName, TensorRole, TensorSpec
 
 QUANT_METHOD = "expq_experts_int8"
 CODES, SCALE = "weight_int8", "weight_scale"
@@ -51,8 +54,8 @@ class ExpertsInt8Format:
 
     name: ClassVar[str] = "experts-int8"
     quant_method: ClassVar[str] = QUANT_METHOD
-    stock_transformers_loads: ClassVar[bool] = False  # unknown quant_method, then the markers' size mismatch
-    SUFFIXES: ClassVar[tuple[str, ...]] = (CODES, SCALE)
+    expq_loads: ClassVar[bool] = True  # stock transformers: unknown quant_method, then the markers' size mismatch
+    suffixes: ClassVar[Mapping[str, str]] = {"codes": CODES, "scale": SCALE}
 
     def __init__(self, experts: ExpertMap, compute_dtype: torch.dtype):
         self.experts = experts
@@ -101,20 +104,16 @@ class ExpertsInt8Format:
                              "row of the codes")
         return codes, scale
 
-    def classify(self, name: str) -> tuple[int, int, str, str] | None:
-        """What an output tensor is, for engines that load the checkpoint tensor by tensor: ``(layer, expert,
-        proj, "codes" | "scale")`` for an expert tensor, ``(layer, -1, "", "marker")`` for a layer's marker, else
-        None (a tensor stock loaders take as it is)."""
+    def classify(self, name: str) -> TensorRole | None:
+        """``(layer, expert, proj, "codes" | "scale")`` for an expert tensor, ``(layer, -1, "", "marker")`` for a
+        layer's marker, else None. See ``Format.classify``."""
         module, _, suffix = name.rpartition(".")
         if suffix in (CODES, SCALE):
             key = self.experts.parse_module(module)
             if key is not None:
-                return (*key, "codes" if suffix == CODES else "scale")
+                return TensorRole(*key, "codes" if suffix == CODES else "scale")
         layer = self._markers().get(name)
-        return None if layer is None else (layer, -1, "", "marker")
-
-    def owns(self, name: str) -> bool:
-        return self.classify(name) is not None
+        return None if layer is None else TensorRole(layer, -1, "", "marker")
 
     def quantized_modules(self, names: Sequence[str]) -> dict[tuple[int, int, str], str]:
         return self.experts.modules_with(names, CODES)
@@ -138,6 +137,11 @@ class ExpertsInt8Format:
                 f"({len(bad)} of {len(markers)} markers): stock transformers would load this checkpoint with random "
                 "experts instead of refusing it; the layout's [runtime] module/weight must name the experts module's "
                 "fused weight"]
+
+    def clients(self, layout: Layout, hidden_size: int | None, *, local: bool = False) -> list[Client]:
+        """expq's own: its vLLM plugin (``engines.vllm`` serves this format), transformers after ``import expq``,
+        ``expq.load_model``. See ``Format.clients``."""
+        return expq_clients(self, layout, hidden_size, local=local, vllm_plugin=True)
 
     # --- quantization_config --------------------------------------------------------------------------------------
     def targets(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""Tuned block configs of the fused-MoE w8a16 kernel, per GPU, shape and token bucket (issue 13).
+"""Tuned block configs of the fused-MoE w8a16 kernel, per GPU, shape and token bucket.
 
 A table is a JSON file ``expq/kernels/configs/<GPU>.json``, ``<GPU>`` being ``normalize_gpu_name`` of
 ``torch.cuda.get_device_name`` (``"NVIDIA H200"`` -> ``NVIDIA_H200``), written by ``bench/tune_kernel.py``:

@@ -59,7 +59,7 @@ def test_marlin_scheme_and_bit_exact_loading(family, runtime, tmp_path):
 
     out = convert(tmp_path, family)
     config = json.loads((out / "config.json").read_text())
-    assert sglang("compressed-tensors", builtin_layout(family), config["hidden_size"]).loads
+    assert sglang(builtin_layout(family), config["hidden_size"]).loads
     qc = CompressedTensorsConfig.from_config(config["quantization_config"])
     E = config.get("num_local_experts") or config["num_experts"]
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
