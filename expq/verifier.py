@@ -30,7 +30,7 @@ from .devices import parse_devices
 from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, UsageError
 from .kernels import select_backend
-from .manifest import PUSH_WRITES
+from .manifest import MANIFEST, PUSH_WRITES, manifest_intact
 from .options import check_verify
 from .source import INDEX_NAME
 
@@ -222,8 +222,19 @@ def _open(out, source, revision, token) -> tuple[ConvertedCheckpoint, object]:
 
 
 def _structure_checks(ck: ConvertedCheckpoint, problems: list[str]) -> list[Check]:
-    return [_check_files_recorded(ck, problems), _check_index(ck, problems), _check_files_load(ck, problems),
-            _check_quantization_config(ck, problems), _check_modules_present(ck, problems)]
+    return [_check_manifest(ck, problems), _check_files_recorded(ck, problems), _check_index(ck, problems),
+            _check_files_load(ck, problems), _check_quantization_config(ck, problems),
+            _check_modules_present(ck, problems)]
+
+
+def _check_manifest(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    """expq.json is there and unchanged: its canonical sha256 is the one config.json records (so an edited
+    ``command`` or ``rows.underflow``, which sets this check's own underflow allowance, fails)."""
+    why = manifest_intact(ck.root, ck.config)
+    if why is not None:
+        _fail(problems, f"file {MANIFEST}: {why}")
+    return Check(f"{MANIFEST} intact (its sha256 in config.json)", why is None,
+                 f"file {MANIFEST}: {why}" if why else "")
 
 
 UNCHECKED_FILES = PUSH_WRITES  # files a push rewrites in OUT (the model card): listed, their bytes not the checkpoint's
@@ -236,7 +247,10 @@ def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check
 
     name = "files match expq.json (size, sha256)"
     if ck.manifest is None or not ck.manifest.files:
-        return Check(name, True, "not recorded (a checkpoint without expq.json, or from an older expq)")
+        msg = (f"file {MANIFEST}: missing, so no file's size and sha256 can be checked" if ck.manifest is None
+               else f"file {MANIFEST}: lists no files (written by an older expq), so none can be checked")
+        _fail(problems, msg)
+        return Check(name, False, msg)
     bad = []
     listed = {f.name: f for f in ck.manifest.files}
     present = {p.relative_to(ck.root).as_posix() for p in ck.root.rglob("*") if p.is_file()} - {"expq.json"}
