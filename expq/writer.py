@@ -461,13 +461,15 @@ class OutputDir:
             except OSError as e:
                 self.warnings.append(f"the new conversion is in {self.out}, but the checkpoint it replaced could not "
                                      f"be deleted ({e.strerror or e}): remove {old} by hand")
+        failed = None
         for step in (lambda: fsync_path(parent), self._drop_journal, lambda: fsync_path(parent)):
             try:
                 step()
             except (OSError, OutputError) as e:
-                self.warnings.append(f"the new conversion is in {self.out}, but {e}: it may not survive a power "
-                                     "loss until the folder is flushed (run sync)")
-                break
+                failed = failed or e
+        if failed is not None:
+            self.warnings.append(f"the new conversion is in {self.out}, but {failed}: it may not survive a power "
+                                 "loss until the folder is flushed (run sync)")
         self.release()
 
     def discard(self) -> None:

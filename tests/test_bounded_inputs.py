@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 from helpers import example
+from typer.testing import CliRunner
 
 import expq
+from expq.cli import app
 from expq.errors import ExpqError, LayoutError, SourceError
 
 MIXTRAL = Path(__file__).parent.parent / "configs" / "mixtral.toml"
@@ -33,8 +35,14 @@ def run_cli(*args) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
-def assert_one_line(src: Path, out: Path, line: str, *extra) -> None:
-    code, text = run_cli("convert", src, out, "--device", "cpu", *extra)
+def assert_one_line(src: Path, out: Path, line: str, *extra, subprocess_: bool = False) -> None:
+    """``expq convert`` prints exactly ``line`` and exits 1, writing nothing (in this process through typer's runner,
+    or, with ``subprocess_``, as a real process)."""
+    if subprocess_:
+        code, text = run_cli("convert", src, out, "--device", "cpu", *extra)
+    else:
+        r = CliRunner().invoke(app, ["convert", str(src), str(out), "--device", "cpu", *map(str, extra)])
+        code, text = r.exit_code, r.output
     assert code == 1, text
     assert text.splitlines() == [f"error: {line}"], text
     assert not out.exists()
@@ -71,7 +79,8 @@ def test_hostile_layout_is_one_line_naming_file_and_key(case, src, tmp_path):
         expq.inspect(src, layout=layout)
     assert str(ei.value) == f"file {layout}: {msg}"
     assert "\x1b" not in str(ei.value)
-    assert_one_line(src, tmp_path / "out", f"file {layout}: {msg}", "--layout", layout)
+    assert_one_line(src, tmp_path / "out", f"file {layout}: {msg}", "--layout", layout,
+                    subprocess_=case == "format spec")
 
 
 def test_a_layout_in_a_manifest_is_bounded_too(tmp_path, tmp_path_factory):
@@ -99,7 +108,7 @@ def test_config_integer_too_long_for_python_names_the_key(src, tmp_path):
     with pytest.raises(SourceError) as ei:
         expq.inspect(src)
     assert str(ei.value) == line
-    assert_one_line(src, tmp_path / "out", line)
+    assert_one_line(src, tmp_path / "out", line, subprocess_=True)
 
 
 def test_config_integer_too_long_inside_a_nested_list_names_its_path(src):
