@@ -448,6 +448,7 @@ def read_config(root: Path) -> dict:
     return config
 
 
+MAX_INDEX_BYTES = 256 << 20  # model.safetensors.index.json (tens of MB for the largest models)
 MAX_CONFIG_BYTES = 64 << 20  # config.json (real ones are a few KiB; some carry large vocab tables)
 MAX_INT_DIGITS = 4300  # Python's default limit on converting decimal strings to int
 
@@ -511,10 +512,11 @@ def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[dict[str,
     """(the index's weight map or None, the shard files in name order). Without an index, ``remote`` (the weight
     files of a streamed source, not on disk yet) stands for what the directory would hold."""
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if index_path.exists():
+        raw = read_regular(index_path, "index", MAX_INDEX_BYTES)
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise SourceError("weight_map must map tensor names to file names", file=str(index_path))
