@@ -171,7 +171,7 @@ class Manifest(_Record):
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise SourceError(f"no {MANIFEST}: not written by expq convert", file=str(root)) from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: Python's int digit limit
             raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
                               file=str(path)) from None
         if not isinstance(data, dict):

@@ -86,15 +86,20 @@ def test_enospc_on_a_small_file_names_it_and_the_same_command_resumes(name, refe
     assert rep.shards_resumed == rep.shards and tree_digest(tmp_path / "out") == digest
 
 
-def test_eio_reading_a_source_shard_names_it(reference, tmp_path):
+@pytest.mark.parametrize("which", ["shard", "index", "tensor"])
+def test_eio_reading_a_source_file_names_it(which, reference, tmp_path):
+    """``shard``/``index``: every read fails (the header, the identity's hash); ``tensor``: from the third read of a
+    thread on (strace counts per thread), which is the pipeline reading the shard's tensors."""
     src, _ = reference
     mine = tmp_path / "src"
     shutil.copytree(src, mine)
-    shard = sorted(mine.glob("model-*.safetensors"))[2]
-    code, text = convert_injected(mine, tmp_path / "out", shard, "read,pread64", "EIO")
+    shard = sorted(mine.glob("model-*.safetensors"))[2] if which != "index" else mine / "model.safetensors.index.json"
+    code, text = convert_injected(mine, tmp_path / "out", shard, "read,pread64,copy_file_range", "EIO",
+                                  when="3+" if which == "tensor" else "")
     assert code == 1
     line = error_line(text)
-    assert line.startswith(f"error: file {shard}: cannot read") and line.endswith("Input/output error"), line
+    where = f"error: file {shard}, tensor " if which == "tensor" else f"error: file {shard}: cannot read"
+    assert line.startswith(where) and line.endswith("Input/output error"), line
     assert not (tmp_path / "out").exists()
 
 
