@@ -2,7 +2,8 @@
 
 Checks:
 
-1. structure (no source needed): index and shards agree; every routed expert of every MoE layer is there with the
+1. structure (no source needed): expq.json is there and unchanged (its canonical sha256 is the one config.json
+   records); every file has the size and sha256 expq.json records; index and shards agree; every routed expert of every MoE layer is there with the
    format's dtypes and shapes; codes in [-127, 127]; scales finite, positive (0 only for an all-zero row, or a row
    the manifest lists as underflowed); each row's largest code is 126 or 127 (the scheme maps the row absmax there,
    so a zeroed or corrupted row shows); the quantization_config validates with compressed-tensors and its targets
