@@ -17,10 +17,10 @@ from typing import Callable
 from .version import __version__
 from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
-from .errors import HubError, Interrupted, UsageError, option
+from .errors import HubError, Interrupted, SourceError, UsageError, option
 from .formats import FORMATS
 from .layouts import Layout
-from .manifest import MANIFEST, FileRecord, Manifest
+from .manifest import CONFIG, MANIFEST, FileRecord, Manifest
 from .options import check_convert, check_inspect
 from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
@@ -70,6 +70,8 @@ class ConvertReport:
     stream_peak_bytes: int | None = None  # --stream: the most bytes the stream folder held at once (else None)
     ray_tasks: list[list[str]] | None = None  # --ray: the output shards each task of this run wrote (else None)
     hub_commits: list[str] | None = None  # --to-hub: the commit URLs (one, or batches for very many files)
+    # what went wrong after the commit, the new checkpoint being in place (an old one left behind, a failed flush)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +181,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         except ValueError as e:
             raise UsageError(str(e)) from None
         refuse_random_experts(plan, allowed=allow_random_experts_in_transformers)
+        stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit
         settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
         outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
         if outdir.up_to_date():
@@ -195,6 +198,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                  done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
                 man = write_side_files(plan, outdir, stats, allow_nonfinite, settings,
                                         command_line(plan, dtype, allow_nonfinite, layout is not None))
+                check_unchanged(source, stamps)
                 outdir.commit()
         except BaseException as e:
             shards.close_all()
@@ -240,11 +244,13 @@ def _convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool
         except ValueError as e:
             raise UsageError(str(e)) from None
         refuse_random_experts(plan, allowed=allow_random_experts)
+        stamps = source_stamps(source) if listing is None else {}
         identity = cluster.source_identity(ray, source) if listing is None else None
         settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=identity)
         run = _RayRun(ray, plan, settings, listing, device=device, allow_nonfinite=allow_nonfinite, fsync=fsync,
                       command=command_line(plan, dtype, allow_nonfinite, layout is not None), on_plan=on_plan,
                       on_progress=on_progress)
+        run.stamps = stamps
         if to_hub is not None:
             return run.to_hub(here, to_hub, hub_token, private=private, t0=t0)
         return run.into_out(here, overwrite=overwrite, src_root=None if listing is not None else source.root, t0=t0)
@@ -276,6 +282,7 @@ class _RayRun:
         self.device, self.allow_nonfinite, self.fsync, self.command = device, allow_nonfinite, fsync, command
         self.on_plan, self.on_progress = on_plan, on_progress
         self.rows: dict[int, dict] = {}
+        self.stamps: dict[str, tuple] = {}  # the directory source's files as hashed (``check_unchanged``)
         self.tasks: list[list[str]] = []
         self.finished = 0
 
@@ -324,6 +331,7 @@ class _RayRun:
                       on_shard=lambda r, rows: outdir.record(r.name, jobs=rows, sha256=r.sha256))
             man = write_side_files(plan, outdir, RunStats(by_job=self.rows).finish(), self.allow_nonfinite,
                                    self.settings, self.command)
+            check_unchanged(plan.source, self.stamps)
             outdir.commit()
         except BaseException as e:
             keep_or_discard(e, outdir, self.finished, len(plan.shard_names))
@@ -416,36 +424,69 @@ def stop_on_signals():
 
 def run_settings(plan: Plan, *, dtype: str, allow_nonfinite: bool, identity: list[list] | None = None) -> dict:
     """What makes two conversions the same (recorded in the journal and expq.json; resume and the no-op re-run
-    compare it): expq's version, the options, the layout's text, and the source's identity (a Hub commit; else
-    every file's size, each shard header's sha256, and the sha256 of the first and last MiB of each shard's data
-    and of every side file; ``identity``: that list when it was computed elsewhere, by ``local_identity``: with
-    ``--ray`` a task reads those bytes, not the driver). Deterministic: no paths, no times."""
+    compare it): expq's version, the options, the layout's text, and the source's identity (``source_identity``;
+    ``identity``: a directory's list when it was computed elsewhere, by ``local_identity``: with ``--ray`` a task
+    reads those bytes, not the driver). Deterministic: no paths, no times."""
     src = plan.source
     return {"expq_version": __version__, "format": plan.format.name, "dtype": dtype,
             "compute_dtype": str(plan.compute_dtype).removeprefix("torch."), "max_shard_size": plan.max_shard_size,
             "layout_sha256": hashlib.sha256(plan.layout.source_text.encode()).hexdigest(),
-            "allow_nonfinite": allow_nonfinite,
-            "source": {"repo_id": src.repo_id, "commit": src.commit} if src.repo_id and src.commit
-            else {"files": identity if identity is not None else local_identity(src)}}
+            "allow_nonfinite": allow_nonfinite, "source": source_identity(src, identity)}
 
 
-def local_identity(src: Source) -> list[list]:
-    """A local source's identity for ``run_settings``: per shard [file, size, header sha256, sha256 of the first
-    and last MiB of its data]; per side file [file, size, sha256]."""
-    files = []
-    for sh in src.shards:
-        with open(sh.path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            head = hashlib.sha256(f.read(n)).hexdigest()
-            f.seek(8 + n)
-            first = f.read(1 << 20)
-            f.seek(max(8 + n, sh.size - (1 << 20)))
-            last = f.read(1 << 20)
-        files.append([sh.file, sh.size, head, hashlib.sha256(first + last).hexdigest()])
-    for rel in ["config.json", *src.side_files]:
-        p = src.root / rel
-        files.append([rel, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()])
-    return files
+def source_identity(src: Source, identity: list[list] | None = None) -> dict:
+    """What any changed byte of the source changes: for a Hub repo, its commit and the Hub's own sha256 (LFS oid)
+    of every shard, as the download's metadata gives them (no byte is read); for a directory, every shard's and
+    side file's size and full sha256 (``local_identity``, or ``identity`` when it was computed elsewhere)."""
+    if src.repo_id and src.commit:
+        return {"repo_id": src.repo_id, "commit": src.commit, "shards_sha256": dict(sorted(src.hub_sha256.items()))}
+    return {"files": identity if identity is not None else local_identity(src)}
+
+
+def local_identity(src: Source, threads: int | None = None) -> list[list]:
+    """A directory source's identity: [file, size, sha256] of every shard and side file (config.json first, then
+    the shards, then the side files), each file read whole in chunks, ``threads`` files at a time (default: one per
+    core, at most 8; sha256 releases the GIL). ``docs/benchmarks.md`` has what it costs against a conversion.
+
+    Raises:
+        SourceError: a file is not a regular file or cannot be read (EIO...), naming it.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .io.regular import sha256_regular
+
+    rels = ["config.json", *(sh.file for sh in src.shards), *src.side_files]
+    n = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="expq-identity") as pool:
+        sums = list(pool.map(lambda rel: sha256_regular(src.root / rel, "source file"), rels))
+    return [[rel, size, digest] for rel, (size, digest) in zip(rels, sums)]
+
+
+def source_stamps(src: Source) -> dict[str, tuple]:
+    """(size, mtime_ns, ctime_ns, inode) of every source file of a directory (empty for a Hub repo: its files are
+    pinned by commit and sha256): taken with the identity, compared before the commit (``check_unchanged``)."""
+    if src.repo_id and src.commit:
+        return {}
+    out = {}
+    for rel in ["config.json", *(sh.file for sh in src.shards), *src.side_files]:
+        st = (src.root / rel).stat()
+        out[rel] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    return out
+
+
+def check_unchanged(src: Source, stamps: dict[str, tuple]) -> None:
+    """Refuse to commit when a source file was written (or replaced) while it was being converted: its identity,
+    hashed before, would no longer describe what was read.
+
+    Raises:
+        SourceError: naming the file (the staging folder is discarded: a re-run hashes and converts anew).
+    """
+    now = source_stamps(src)
+    for rel, stamp in stamps.items():
+        if now.get(rel) != stamp:
+            raise SourceError("changed while it was being converted (size, time or inode differs); nothing was "
+                              "committed: re-run once the source is complete", file=str(src.root / rel))
 
 
 def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float,
@@ -462,7 +503,7 @@ def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, sec
         zero_rows=rows.zero, underflow_rows=rows.underflow, nonfinite_rows=rows.nonfinite,
         underflow_examples=list(rows.underflow_examples), nonfinite_examples=list(rows.nonfinite_examples),
         up_to_date=up_to_date, shards_resumed=len(outdir.kept),
-        stream_peak_bytes=feeder.peak_bytes if feeder is not None else None)
+        stream_peak_bytes=feeder.peak_bytes if feeder is not None else None, warnings=list(outdir.warnings))
 
 
 def command_line(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bool) -> str:
@@ -508,11 +549,16 @@ def write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfi
         outdir.copy_file(source.root / rel, rel)
     if len(plan.shard_names) > 1:
         outdir.write_text("model.safetensors.index.json", index_json(plan))
-    outdir.write_text("config.json", config_json(source.config, plan.quantization_config()))
-    files = [FileRecord(name=n, size=(outdir.staging / n).stat().st_size,
-                        sha256=outdir.recorded_sha256(n) or sha256_file(outdir.staging / n))
-             for n in outdir.staged_files() if n != MANIFEST]
+    files = [_file_record(outdir, n) for n in outdir.staged_files() if n not in (MANIFEST, CONFIG)]
     man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
                              source_card=_source_card(source), settings=settings, files=files)
+    # config.json records the manifest's hash, expq.json config.json's (see manifest.canonical_sha256)
+    outdir.write_text(CONFIG, config_json(source.config, plan.quantization_config(), manifest_sha256=man.sha256()))
+    man = man.model_copy(update={"files": sorted([*files, _file_record(outdir, CONFIG)], key=lambda f: f.name)})
     outdir.write_text(MANIFEST, man.to_json())
     return man
+
+
+def _file_record(outdir: OutputDir, name: str) -> FileRecord:
+    path = outdir.staging / name
+    return FileRecord(name=name, size=path.stat().st_size, sha256=outdir.recorded_sha256(name) or sha256_file(path))

@@ -223,7 +223,9 @@ def _read_index(root: Path) -> tuple[dict | None, dict[str, str] | None, list[st
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+        except OSError as e:
+            raise SourceError(f"cannot read: {e.strerror or e}", file=INDEX_NAME) from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             raise SourceError("not a valid safetensors index", file=INDEX_NAME) from None
         return index, weight_map, sorted(set(weight_map.values()))
     if (root / SINGLE_NAME).is_file():

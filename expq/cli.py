@@ -178,6 +178,7 @@ def convert(
                              allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray, to_hub=to_hub,
                              private=private, allow_random_experts_in_transformers=allow_random_experts_in_transformers,
                              on_plan=bar.on_plan, on_progress=bar.on_progress)
+    _warn(report.warnings)
     if as_json:
         print(json.dumps(report.to_dict()))
         return

@@ -354,11 +354,15 @@ def _brief(v: Any) -> str:
 def _config_numbers(layout: Layout, config: dict, used: dict[str, str]) -> dict[str, Any]:
     """num_layers and num_experts (required), hidden_size, intermediate_size and top_k (where present)."""
     k = layout.keys
-    return {"num_layers": _config_int(config, k["num_layers"], "num_layers", used, True),
+    nums = {"num_layers": _config_int(config, k["num_layers"], "num_layers", used, True),
             "num_experts": _config_int(config, k["num_experts"], "num_experts", used, True),
             "hidden_size": _config_int(config, k["hidden_size"], "hidden_size", used, False),
             "intermediate_size": _config_int(config, k["intermediate_size"], "intermediate_size", used, False),
             "top_k": _config_int(config, k["top_k"], "top_k", used, False)}
+    if nums["top_k"] is not None and nums["top_k"] > nums["num_experts"]:  # no engine can route to more experts
+        raise LayoutError(f"{used['top_k']} = {nums['top_k']} is more than the {nums['num_experts']} routed experts "
+                          f"({used['num_experts']})", file="config.json")
+    return nums
 
 
 def _source_regex(layout: Layout) -> re.Pattern[str]:

@@ -20,6 +20,7 @@ disagree), the config's hidden and intermediate sizes decide (``experts.py``), a
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from functools import cache
@@ -246,19 +247,29 @@ def _tuple(v: Any) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
+MAX_LAYOUT_BYTES = 1 << 20  # a layout file is a few KiB; a larger one is refused before it is parsed
+MAX_LAYOUT_DEPTH = 8  # tables and arrays inside each other (the schema needs 4: experts.gate_up.orientation[])
+DEEP_ARRAY = r"(?:\[\s*){%d,}" % (MAX_LAYOUT_DEPTH + 1)  # where a too deep array starts, for the error line
+LONG_INT = r"[0-9_]{4301,}"  # an integer literal longer than Python converts
+
+
 def load_layout(path: str | Path) -> Layout:
-    """Read and validate one layout file (see ``parse_layout``).
+    """Read and validate one layout file (see ``parse_layout``): a regular file (never a named pipe or a device)
+    of at most ``MAX_LAYOUT_BYTES``.
 
     Raises:
-        LayoutError: the file is missing or not a file, or any ``parse_layout`` error.
+        LayoutError: the file is missing, not a regular file, too large, not UTF-8, or any ``parse_layout`` error.
     """
+    from .io.regular import read_regular
+
     path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise LayoutError("layout file not found", file=str(path))
+    data = read_regular(path, "layout file", MAX_LAYOUT_BYTES, LayoutError)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise LayoutError("layout file not found", file=str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise LayoutError(f"cannot read the layout file: {type(e).__name__}", file=str(path)) from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LayoutError(f"cannot read the layout file: not UTF-8 (byte {e.start})", file=str(path)) from None
     return parse_layout(text, str(path))
 
 
@@ -266,21 +277,75 @@ def parse_layout(text: str, path: str = "<layout>") -> Layout:
     """Parse and validate a layout (TOML text; ``path`` names it in errors). The text is kept in
     ``Layout.source_text`` so that a converted checkpoint can carry the layout it was made with.
 
-    Steps: read the TOML, validate it against ``LayoutFile``, build the ``Layout``.
+    Steps: bound the text (size, nesting), read the TOML, validate it against ``LayoutFile``, build the ``Layout``.
 
     Raises:
-        LayoutError: not TOML, an unknown key, a missing required key, or a value of the wrong type or range
-            (the message names the key).
+        LayoutError: larger than ``MAX_LAYOUT_BYTES``, not TOML, nested deeper than ``MAX_LAYOUT_DEPTH``, an
+            integer too long for Python, an unknown key, a missing required key, or a value of the wrong type or
+            range (the message names the key).
     """
+    if len(text) > MAX_LAYOUT_BYTES:
+        raise LayoutError(f"the layout is {len(text)} characters; at most {MAX_LAYOUT_BYTES} are accepted", file=path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(f"not a valid TOML layout: {e}", file=path) from None
+    except RecursionError:
+        where = _where(text, DEEP_ARRAY)
+        raise LayoutError(f"{where}arrays nested more than {MAX_LAYOUT_DEPTH} deep", file=path) from None
+    except ValueError:  # Python's own limit on integer digits, raised through tomllib
+        where = _where(text, LONG_INT)
+        raise LayoutError(f"{where}an integer with more digits than Python reads (4300)", file=path) from None
+    _check_depth(data, path)
     try:
         f = LayoutFile.model_validate(data)
     except ValidationError as e:
         raise _schema_error(e, path) from None
     return _layout_from_schema(f, path, text)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1 (escape sequences)
+
+
+def _check_depth(data: dict, path: str) -> None:
+    """Refuse tables and arrays nested deeper than ``MAX_LAYOUT_DEPTH``, and keys or strings holding a control
+    character (an escape sequence would reach the terminal where expq prints the layout's name or notes); walked
+    without recursion, naming the dotted key."""
+    todo: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while todo:
+        value, key, depth = todo.pop()
+        if depth > MAX_LAYOUT_DEPTH:
+            raise LayoutError(f"key {_printable(key)}: tables or arrays nested more than {MAX_LAYOUT_DEPTH} deep",
+                              file=path)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{key}.{k}" if key else str(k)
+                if CONTROL.search(str(k)):
+                    raise LayoutError(f"key {_printable(sub)}: the key holds a control character", file=path)
+                todo.append((v, sub, depth + 1))
+        elif isinstance(value, list):
+            todo += [(v, f"{key}[{i}]", depth + 1) for i, v in enumerate(value)]
+        elif isinstance(value, str) and (m := CONTROL.search(value)):
+            raise LayoutError(f"key {_printable(key)}: the text holds a control character ({ascii(m.group())} at "
+                              f"position {m.start()}); layout text must be printable", file=path)
+
+
+def _where(text: str, pattern: str) -> str:
+    """``line N (key K): `` for the first match of ``pattern`` in a layout's text (``""`` when there is none)."""
+    m = re.search(pattern, text)
+    if m is None:
+        return ""
+    line_no = text.count("\n", 0, m.start()) + 1
+    line = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+    key = line.partition("=")[0].strip() if "=" in line else ""
+    return f"line {line_no}" + (f" (key {_printable(key)})" if key else "") + ": "
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    """User text for an error line: as it is when printable, else escaped (no escape sequence reaches the
+    terminal); cut at ``limit`` characters."""
+    shown = text if text.isprintable() else ascii(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def _layout_from_schema(f: LayoutFile, path: str, text: str) -> Layout:
@@ -323,12 +388,16 @@ def _check_names(path: str, ex, proj_names: dict, out_names: dict, out_module: s
         raise LayoutError(f"output.gate/up/down must be three different names, got {list(out_names.values())}",
                           file=path)
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(out_module) if f is not None]
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(out_module) if f is not None]
     except ValueError as e:
-        raise LayoutError(f"output.module {out_module!r} is not a valid template: {e}", file=path) from None
-    if fields != ["expert"]:
+        raise LayoutError(f"output.module {_printable(repr(out_module))} is not a valid template: {e}",
+                          file=path) from None
+    if [f for f, _, _ in fields] != ["expert"]:
         raise LayoutError(f"output.module must hold {{expert}} exactly once and no other placeholder, got "
-                          f"{out_module!r}", file=path)
+                          f"{_printable(repr(out_module))}", file=path)
+    if fields[0][1] or fields[0][2]:  # "{expert:>200000000}" would pad each name to 200 MB
+        raise LayoutError("output.module must hold a plain {expert}, without a format spec or conversion, got "
+                          f"{_printable(repr(out_module))}", file=path)
     for part, st in stacked.items():
         if len(set(st.orientations)) != len(st.orientations):
             raise LayoutError(f"experts.{part}.orientation lists {st.orientations[0]} twice", file=path)

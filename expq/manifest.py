@@ -6,6 +6,7 @@ Deterministic: no time, no machine, no absolute paths (the same input and option
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,12 @@ from .version import __version__
 
 MANIFEST = "expq.json"
 
+
+# config.json's key holding the sha256 of expq.json's canonical form (``canonical_sha256``): a top-level key, which
+# transformers keeps as a plain attribute and vLLM ignores; inside ``quantization_config`` compressed-tensors'
+# schema would have to accept it.
+MANIFEST_SHA256_KEY = "expq_manifest_sha256"
+CONFIG = "config.json"
 
 # Files `expq push` writes into OUT (the model card): not part of the conversion's bytes; verify does not compare
 # them and a re-run of convert keeps them.
@@ -147,6 +154,10 @@ class Manifest(_Record):
             del data["decoded"]
         return json.dumps(data, indent=2, default=str) + "\n"
 
+    def sha256(self) -> str:
+        """``canonical_sha256`` of this manifest as ``to_json`` writes it (what config.json records)."""
+        return canonical_sha256(json.loads(self.to_json()))
+
     @classmethod
     def load(cls, root: str | Path) -> "Manifest":
         """Read and validate ``root/expq.json``.
@@ -159,7 +170,7 @@ class Manifest(_Record):
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise SourceError(f"no {MANIFEST}: not written by expq convert", file=str(root)) from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: Python's int digit limit
             raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
                               file=str(path)) from None
         if not isinstance(data, dict):
@@ -175,6 +186,52 @@ class Manifest(_Record):
     def load_optional(cls, root: str | Path) -> "Manifest | None":
         """``load``, or None when there is no ``expq.json`` (a checkpoint another tool wrote)."""
         return cls.load(root) if (Path(root) / MANIFEST).is_file() else None
+
+
+def canonical_sha256(data: dict) -> str:
+    """The sha256 (hex) of expq.json's canonical form: its JSON data with sorted keys, compact separators and ASCII
+    escapes, without the ``files`` record of config.json (which holds this very hash, so cannot be covered by it;
+    config.json's own bytes are covered by that record). Whitespace and key order do not change it; any value does.
+    """
+    data = dict(data)
+    if isinstance(data.get("files"), list):
+        data["files"] = [f for f in data["files"] if not (isinstance(f, dict) and f.get("name") == CONFIG)]
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def manifest_sha256(root: str | Path) -> str | None:
+    """``canonical_sha256`` of ``root/expq.json`` as it is on disk (None when it is missing or not a JSON object).
+
+    Raises:
+        SourceError: it cannot be read.
+    """
+    path = Path(root) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}", file=str(path)) from None
+    return canonical_sha256(data) if isinstance(data, dict) else None
+
+
+def manifest_intact(root: str | Path, config: dict) -> str | None:
+    """None when ``root/expq.json`` hashes to what ``config`` (config.json's data) records under
+    ``MANIFEST_SHA256_KEY``, else why not, as a line to follow ``file expq.json: `` (missing, not recorded,
+    changed)."""
+    try:
+        got = manifest_sha256(root)
+    except SourceError as e:
+        return e.message
+    if got is None:
+        return "missing (the record of what expq convert wrote, and of every file's sha256)"
+    want = config.get(MANIFEST_SHA256_KEY)
+    if not isinstance(want, str):
+        return f"cannot be checked: {CONFIG} has no {MANIFEST_SHA256_KEY} (removed, or written by an older expq)"
+    if got != want:
+        return f"changed since expq convert wrote it (its sha256 differs from {CONFIG}'s {MANIFEST_SHA256_KEY})"
+    return None
 
 
 def _decoded(plan) -> DecodedRecord | None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import SourceError
+from .io.regular import check_regular, open_regular, read_regular
 from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -102,6 +103,7 @@ class Source:
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
+    hub_sha256: dict[str, str] = field(default_factory=dict)  # Hub repo: shard -> the Hub's sha256 (LFS oid)
 
     @property
     def total_bytes(self) -> int:
@@ -225,9 +227,10 @@ def parse_header(blob: bytes, size: int, rel: str, *, path: Path, where: str | N
 def _header_bytes(path: Path) -> tuple[int, bytes]:
     """(file size, header bytes) of a safetensors file; Git LFS pointers named as such."""
     where = str(path)
+    fd = open_regular(path, "safetensors file")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        size = os.fstat(fd).st_size
+        with open(fd, "rb") as f:
             raw = f.read(8)
             if raw.startswith(LFS_POINTER[:8]):
                 raw += f.read(len(LFS_POINTER) - 8)
@@ -428,16 +431,47 @@ def read_config(root: Path) -> dict:
         SourceError: missing, not JSON, or not a JSON object.
     """
     cfg_path = root / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise SourceError("no config.json: not a Hugging Face checkpoint directory", file=str(root))
+    raw = read_regular(cfg_path, "config.json", MAX_CONFIG_BYTES)
     try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        config = json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SourceError(f"not valid JSON: {e}", file=str(cfg_path)) from None
+    except RecursionError:
+        raise SourceError("not valid JSON: nested too deeply", file=str(cfg_path)) from None
     if not isinstance(config, dict):
         raise SourceError("config.json must hold a JSON object", file=str(cfg_path))
+    _refuse_long_ints(config, cfg_path)
     check_config_types(config, cfg_path)
     return config
+
+
+MAX_INDEX_BYTES = 256 << 20  # model.safetensors.index.json (tens of MB for the largest models)
+MAX_CONFIG_BYTES = 64 << 20  # config.json (real ones are a few KiB; some carry large vocab tables)
+MAX_INT_DIGITS = 4300  # Python's default limit on converting decimal strings to int
+
+
+class _LongInt(str):
+    """An integer literal with more digits than Python converts (kept as text, found and named afterwards)."""
+
+
+def _bounded_int(text: str):
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _LongInt(text)
+
+
+def _refuse_long_ints(config: dict, cfg_path: Path) -> None:
+    """Refuse an integer longer than Python converts, naming its dotted key (walked without recursion)."""
+    todo: list[tuple[Any, str]] = [(config, "")]
+    while todo:
+        v, key = todo.pop()
+        if isinstance(v, _LongInt):
+            raise SourceError(f"{_shown(key) or 'the top level'} is an integer of {len(v.lstrip('-'))} digits "
+                              f"(at most {MAX_INT_DIGITS})", file=str(cfg_path))
+        if isinstance(v, dict):
+            todo += [(x, f"{key}.{k}" if key else str(k)) for k, x in v.items()]
+        elif isinstance(v, list):
+            todo += [(x, f"{key}[{i}]") for i, x in enumerate(v)]
 
 
 def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> None:
@@ -477,10 +511,11 @@ def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[dict[str,
     """(the index's weight map or None, the shard files in name order). Without an index, ``remote`` (the weight
     files of a streamed source, not on disk yet) stands for what the directory would hold."""
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if index_path.exists():
+        raw = read_regular(index_path, "index", MAX_INDEX_BYTES)
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise SourceError("weight_map must map tensor names to file names", file=str(index_path))
@@ -527,7 +562,7 @@ def _headers(root: Path, files: list[str], remote: Callable[[str], Shard] | None
         return
     for rel in files:
         p = root / rel
-        if not p.is_file():
+        if not p.exists():
             raise SourceError(f"listed in {INDEX_NAME} but missing", file=str(p))
         yield read_header(p, rel)
 
@@ -578,6 +613,7 @@ def _side_files(root: Path, weight_files: set[str], inside: _Inside | None = Non
             inside.check(rel, "side file")
         if not p.exists():
             raise SourceError(f"side file is a symbolic link to a missing file ({os.readlink(p)})", file=str(p))
+        check_regular(p, "side file")  # a named pipe would block the copy, a device never end it
         side.append(rel)
     return side, skipped
 
@@ -606,7 +642,15 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
     from .hubsource import fetch
 
     local, commit = fetch(s, revision=revision, token=token)
-    return open_source(local, repo_id=s, revision=revision or "main", commit=commit)
+    src = open_source(local, repo_id=s, revision=revision or "main", commit=commit)
+    src.hub_sha256 = {sh.file: _blob_name(sh.path) for sh in src.shards}
+    return src
+
+
+def _blob_name(path: Path) -> str:
+    """The name of the cache blob a Hub snapshot file links to: the Hub's ETag of the file, which for an LFS file
+    (every shard) is its sha256, as the Hub lists it. Read from the link, no byte of the file."""
+    return Path(os.path.realpath(path)).name
 
 
 def local_download_commit(src: Source) -> str | None:
@@ -642,10 +686,13 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
         raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
     buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pinned)
     view, got = memoryview(buf.numpy()), 0
-    with open(src_root / info.file, "rb", buffering=0) as f:
-        if f.seek(info.start) == info.start:
-            while got < info.nbytes and (n := f.readinto(view[got:])):  # one syscall reads at most ~2 GiB
-                got += n
+    try:
+        with open(src_root / info.file, "rb", buffering=0) as f:
+            if f.seek(info.start) == info.start:
+                while got < info.nbytes and (n := f.readinto(view[got:])):  # one syscall reads at most ~2 GiB
+                    got += n
+    except OSError as e:
+        raise SourceError(f"cannot read: {e.strerror or e}", file=str(src_root / info.file), tensor=info.name) from None
     if got != info.nbytes:
         raise SourceError(f"short read ({got} of {info.nbytes} bytes): file changed or truncated",
                           file=str(src_root / info.file), tensor=info.name)
@@ -656,10 +703,12 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
 
 def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:
     """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory): in the
-    kernel with ``copy_file_range`` where the OS allows it, else by ``pread``/``pwrite`` in 64 MiB chunks.
+    kernel with ``copy_file_range`` where the OS allows it, else by ``pread``/``pwrite`` in 64 MiB chunks (also
+    after ``copy_file_range`` failed, so that a failure is told apart: reading the source, or writing the output).
 
     Raises:
-        SourceError: the source came back short.
+        SourceError: the source came back short or cannot be read (EIO...), naming it and the tensor.
+        OSError: writing the output failed (the caller names the output file).
     """
     with open(src_root / info.file, "rb", buffering=0) as f:
         fd = f.fileno()
@@ -676,7 +725,11 @@ def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, c
             except OSError:  # another filesystem, or not supported: fall back to plain reads and writes
                 pass
         while left:
-            data = os.pread(fd, min(chunk, left), pos)
+            try:
+                data = os.pread(fd, min(chunk, left), pos)
+            except OSError as e:  # EIO...: the source's fault, not the output's
+                raise SourceError(f"cannot read: {e.strerror or e}", file=str(src_root / info.file),
+                                  tensor=info.name) from None
             if not data:
                 raise SourceError("short read: file changed or truncated", file=str(src_root / info.file), tensor=info.name)
             os.pwrite(dst_fd, data, dst_offset + (pos - info.start))

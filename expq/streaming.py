@@ -83,6 +83,7 @@ def open_stream(src: str, out: str | Path, *, revision: str | None = None, token
         remote = RemoteShards(sorted(listing.weights),
                               lambda rel: read_remote_header(listing, rel, folder / rel))
         source = open_source(folder, repo_id=src, revision=listing.revision, commit=listing.commit, remote=remote)
+        source.hub_sha256 = {f: w.sha256 or w.blob_id or "" for f, w in listing.weights.items()}
     except BaseException:
         _let_go(folder, lock, delete=created)
         raise

@@ -2,7 +2,8 @@
 
 Checks:
 
-1. structure (no source needed): index and shards agree; every routed expert of every MoE layer is there with the
+1. structure (no source needed): expq.json is there and unchanged (its canonical sha256 is the one config.json
+   records); every file has the size and sha256 expq.json records; index and shards agree; every routed expert of every MoE layer is there with the
    format's dtypes and shapes; codes in [-127, 127]; scales finite, positive (0 only for an all-zero row, or a row
    the manifest lists as underflowed); each row's largest code is 126 or 127 (the scheme maps the row absmax there,
    so a zeroed or corrupted row shows); the quantization_config validates with compressed-tensors and its targets
@@ -30,7 +31,7 @@ from .devices import parse_devices
 from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, UsageError
 from .kernels import select_backend
-from .manifest import PUSH_WRITES
+from .manifest import MANIFEST, PUSH_WRITES, manifest_intact
 from .options import check_verify
 from .source import INDEX_NAME
 
@@ -222,8 +223,19 @@ def _open(out, source, revision, token) -> tuple[ConvertedCheckpoint, object]:
 
 
 def _structure_checks(ck: ConvertedCheckpoint, problems: list[str]) -> list[Check]:
-    return [_check_files_recorded(ck, problems), _check_index(ck, problems), _check_files_load(ck, problems),
-            _check_quantization_config(ck, problems), _check_modules_present(ck, problems)]
+    return [_check_manifest(ck, problems), _check_files_recorded(ck, problems), _check_index(ck, problems),
+            _check_files_load(ck, problems), _check_quantization_config(ck, problems),
+            _check_modules_present(ck, problems)]
+
+
+def _check_manifest(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
+    """expq.json is there and unchanged: its canonical sha256 is the one config.json records (so an edited
+    ``command`` or ``rows.underflow``, which sets this check's own underflow allowance, fails)."""
+    why = manifest_intact(ck.root, ck.config)
+    if why is not None:
+        _fail(problems, f"file {MANIFEST}: {why}")
+    return Check(f"{MANIFEST} intact (its sha256 in config.json)", why is None,
+                 f"file {MANIFEST}: {why}" if why else "")
 
 
 UNCHECKED_FILES = PUSH_WRITES  # files a push rewrites in OUT (the model card): listed, their bytes not the checkpoint's
@@ -236,7 +248,10 @@ def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check
 
     name = "files match expq.json (size, sha256)"
     if ck.manifest is None or not ck.manifest.files:
-        return Check(name, True, "not recorded (a checkpoint without expq.json, or from an older expq)")
+        msg = (f"file {MANIFEST}: missing, so no file's size and sha256 can be checked" if ck.manifest is None
+               else f"file {MANIFEST}: lists no files (written by an older expq), so none can be checked")
+        _fail(problems, msg)
+        return Check(name, False, msg)
     bad = []
     listed = {f.name: f for f in ck.manifest.files}
     present = {p.relative_to(ck.root).as_posix() for p in ck.root.rglob("*") if p.is_file()} - {"expq.json"}

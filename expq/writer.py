@@ -33,6 +33,7 @@ flushed) of this process fail with ``enospc`` or ``eio``, ``kill`` the process w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -50,8 +51,9 @@ from pathlib import Path
 import torch
 
 from .errors import ExpqError, UsageError
-from .manifest import MANIFEST, PUSH_WRITES, Manifest
+from .manifest import MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, Manifest, manifest_intact
 from .plan import OutTensor, Plan
+from .source import read_config
 
 PARTIAL = ".expq-partial"
 JOURNAL = ".expq-journal.json"
@@ -99,13 +101,27 @@ _faults = _Faults(os.environ.get(FAULT_ENV, ""))
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file or a directory (its entries) to disk."""
-    _faults.hit("fsync")
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file or a directory (its entries) to disk.
+
+    Raises:
+        OutputError: the flush failed (EIO, ENOSPC...), naming ``path``.
+    """
+    with naming(path, "cannot flush to disk"):
+        _faults.hit("fsync")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def naming(path: Path | str, what: str = "cannot write"):
+    """Turn an ``OSError`` raised inside into an ``OutputError`` naming ``path``: ``{what}: {strerror}``."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        yield
+    except OSError as e:
+        raise OutputError(f"{what}: {e.strerror or e}", file=str(path)) from None
 
 
 def sha256_file(path: Path) -> str:
@@ -184,6 +200,7 @@ class OutputDir:
             raise UsageError(f"cannot write beside OUT in {parent} ({e.strerror or e}): expq keeps its lock, journal "
                              "and partial output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
+        self.warnings: list[str] = []  # what went wrong after the commit (the new checkpoint is in place)
         self.kept: dict[str, dict] = {}
         self._journal: dict = {}
         try:
@@ -277,6 +294,8 @@ class OutputDir:
             return False
         try:
             m = Manifest.load(self.out)
+            if manifest_intact(self.out, read_config(self.out)) is not None:  # expq.json edited: write it anew
+                return False
         except ExpqError:
             return False
         listed = {f.name: f for f in m.files if f.name not in PUSH_WRITES}
@@ -300,7 +319,8 @@ class OutputDir:
                 raise UsageError(f"{self.staging} exists and was not left by expq; refusing to delete it",
                                  file=str(self.out))
             shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging.mkdir()
+            with naming(self.staging, "cannot make the staging folder"):
+                self.staging.mkdir()
             j = {"fingerprint": self.fingerprint, "phase": "writing", "files": {}}
             self._write_journal(j)
             return {}
@@ -332,12 +352,13 @@ class OutputDir:
     def _write_journal(self, j: dict, **changes) -> None:
         j = {**j, **changes, "pid": os.getpid()}
         tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(j, f)
-            f.flush()
-            _faults.hit("fsync")
-            os.fsync(f.fileno())
-        os.replace(tmp, self.journal_path)
+        with naming(tmp, "cannot write the journal"):
+            with open(tmp, "w") as f:
+                json.dump(j, f)
+                f.flush()
+                _faults.hit("fsync")
+                os.fsync(f.fileno())
+            os.replace(tmp, self.journal_path)
         self._journal = j
 
     def _drop_journal(self) -> None:
@@ -369,22 +390,38 @@ class OutputDir:
     def path(self, name: str) -> Path:
         """The staging path of an output file (its final name, relative to OUT)."""
         p = self.staging / name
-        p.parent.mkdir(parents=True, exist_ok=True)
+        with naming(p.parent, "cannot make the folder"):
+            p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
     def write_text(self, name: str, text: str) -> None:
-        """Write, fsync and record a small output file."""
-        with open(self.path(name), "w") as f:
-            f.write(text)
-            f.flush()
-            _faults.hit("fsync")
-            os.fsync(f.fileno())
+        """Write and fsync a small output file.
+
+        Raises:
+            OutputError: the write or flush failed (disk full...), naming the file.
+        """
+        path = self.path(name)
+        with naming(path):
+            with open(path, "w") as f:
+                f.write(text)
+                f.flush()
+                _faults.hit("fsync")
+                os.fsync(f.fileno())
 
     def copy_file(self, src: Path, name: str) -> None:
-        """Copy a side file (its bytes, not a link) and fsync it."""
+        """Copy a side file (its bytes, not a link; in chunks, holes kept: ``io.regular.copy_regular``), fsync'd.
+
+        Raises:
+            SourceError: ``src`` is not a regular file or cannot be read, naming it. OutputError: the copy cannot
+                be written, naming it.
+        """
+        from .errors import SourceError
+        from .io.regular import copy_regular
+
         dst = self.path(name)
-        shutil.copyfile(src, dst)
-        fsync_path(dst)
+        with naming(dst, "cannot flush to disk"):
+            _faults.hit("fsync")
+        copy_regular(src, dst, "side file", SourceError, OutputError)
 
     def staged_files(self) -> list[str]:
         return sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
@@ -396,25 +433,43 @@ class OutputDir:
             fsync_path(d)
         self._write_journal(self._journal, phase="swap")
         parent = self.out.parent
+        old = None  # where the replaced checkpoint is once the new one is in place
         try:
             if self.out.is_dir() and any(self.out.iterdir()):
                 if _exchange(self.staging, self.out):
                     self._write_journal(self._journal, phase="swapped")
-                    shutil.rmtree(self.staging)  # the old checkpoint, now under the staging name
+                    old = self.staging  # the old checkpoint, now under the staging name
                 else:
                     _rename(self.out, self.old_path)
                     self._write_journal(self._journal, phase="moved-old")
                     _rename(self.staging, self.out)
                     self._write_journal(self._journal, phase="swapped")
-                    shutil.rmtree(self.old_path)
+                    old = self.old_path
             else:
                 _rename(self.staging, self.out)  # onto a missing or empty OUT
         except OSError as e:
             raise OutputError(f"cannot move the finished conversion into place: {e.strerror or e}; re-run the same "
                               "command to finish", file=str(self.out)) from None
-        fsync_path(parent)
-        self._drop_journal()
-        fsync_path(parent)
+        self._after_commit(parent, old)
+
+    def _after_commit(self, parent: Path, old: Path | None) -> None:
+        """The new checkpoint is in OUT: delete the old one, drop the journal, flush the parent folder. A failure
+        here cannot undo the commit, so it is a warning (``warnings``), naming what is left, never an error."""
+        if old is not None:
+            try:
+                shutil.rmtree(old)
+            except OSError as e:
+                self.warnings.append(f"the new conversion is in {self.out}, but the checkpoint it replaced could not "
+                                     f"be deleted ({e.strerror or e}): remove {old} by hand")
+        failed = None
+        for step in (lambda: fsync_path(parent), self._drop_journal, lambda: fsync_path(parent)):
+            try:
+                step()
+            except (OSError, OutputError) as e:
+                failed = failed or e
+        if failed is not None:
+            self.warnings.append(f"the new conversion is in {self.out}, but {failed}: it may not survive a power "
+                                 "loss until the folder is flushed (run sync)")
         self.release()
 
     def discard(self) -> None:
@@ -831,8 +886,10 @@ def index_json(plan: Plan) -> str:
     return json.dumps({"metadata": {"total_size": sum(plan.shard_sizes)}, "weight_map": weight_map}, indent=2) + "\n"
 
 
-def config_json(config: dict, quantization_config: dict) -> str:
-    """config.json: the source's, key order kept, with ``quantization_config`` set (a stale one is replaced)."""
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+def config_json(config: dict, quantization_config: dict, manifest_sha256: str) -> str:
+    """config.json: the source's, key order kept, with ``quantization_config`` set and, last, the sha256 of
+    expq.json's canonical form (``manifest.MANIFEST_SHA256_KEY``); stale ones of both are replaced."""
+    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", MANIFEST_SHA256_KEY)}
     cfg["quantization_config"] = quantization_config
+    cfg[MANIFEST_SHA256_KEY] = manifest_sha256
     return json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"

@@ -51,11 +51,12 @@ def _published(hub_server) -> dict[str, dict]:
 
 def _same_bytes(remote: dict[str, dict], local: Path) -> None:
     """Every converted file on the Hub has the local conversion's size and sha256 (expq.json and the card aside:
-    they name the source as a repo id there and as a directory here)."""
+    they name the source as a repo id there and as a directory here; config.json too, which holds expq.json's
+    hash)."""
     import hashlib
 
     want = {p.name: (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in local.iterdir() if p.is_file() and p.name not in ("expq.json", "README.md")}
+            for p in local.iterdir() if p.is_file() and p.name not in ("expq.json", "README.md", "config.json")}
     got = {k: (v["size"], v["sha256"]) for k, v in remote.items() if k in want}
     assert got == want
 

@@ -3,6 +3,7 @@ config, stock transformers loading, determinism."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -114,6 +115,10 @@ def test_index_config_and_side_files(family, converted):
             assert files[base + "weight_scale"] == files[n] == files[base + "weight_shape"]
     cfg_src, cfg_out = load_json(src / "config.json"), load_json(out / "config.json")
     qc = cfg_out.pop("quantization_config")
+    manifest = load_json(out / "expq.json")  # its canonical form, config.json's own record left out, hashed
+    manifest["files"] = [f for f in manifest["files"] if f["name"] != "config.json"]
+    assert cfg_out.pop("expq_manifest_sha256") == hashlib.sha256(
+        json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert cfg_out == cfg_src
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["quantization_status"] == "compressed"

@@ -61,7 +61,10 @@ def test_convert_from_repo_id(hub_server, hub_src, tmp_path):
     # same bytes as converting the local copy; the .bin was never downloaded
     expq.convert(folder, tmp_path / "local", device="cpu")
     a, b = tree_digest(tmp_path / "out"), tree_digest(tmp_path / "local")
-    assert {k: v for k, v in a.items() if k != "expq.json"} == {k: v for k, v in b.items() if k != "expq.json"}
+    records = ("expq.json", "config.json")  # expq.json records the source; config.json records expq.json's hash
+    assert {k: v for k, v in a.items() if k not in records} == {k: v for k, v in b.items() if k not in records}
+    ca, cb = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("out", "local"))
+    assert ca.pop("expq_manifest_sha256") != cb.pop("expq_manifest_sha256") and ca == cb
     assert not any("pytorch_model.bin" in p for _, p, *_ in hub_server.requests)
     manifest = json.loads((tmp_path / "out" / "expq.json").read_text())
     assert manifest["source"]["repo_id"] == "org/tiny-mixtral" and manifest["source"]["commit"] == commit
