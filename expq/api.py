@@ -19,6 +19,8 @@ from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
 from .errors import HubError, Interrupted, UsageError, option
 from .formats import FORMATS
+from .io.hashing import sha256_file
+from .io.index import INDEX_NAME, index_json
 from .layouts import Layout
 from .manifest import MANIFEST, FileRecord, Manifest
 from .options import check_convert, check_inspect
@@ -26,7 +28,7 @@ from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
 from .streaming import ShardStream, streamed
-from .writer import STOP, OutputDir, OutputError, ShardSet, config_json, index_json, sha256_file
+from .writer import STOP, OutputDir, OutputError, ShardSet, config_json
 
 
 @dataclass
@@ -435,16 +437,14 @@ def local_identity(src: Source) -> list[list]:
     files = []
     for sh in src.shards:
         with open(sh.path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            head = hashlib.sha256(f.read(n)).hexdigest()
-            f.seek(8 + n)
+            f.seek(sh.data_start)
             first = f.read(1 << 20)
-            f.seek(max(8 + n, sh.size - (1 << 20)))
+            f.seek(max(sh.data_start, sh.size - (1 << 20)))
             last = f.read(1 << 20)
-        files.append([sh.file, sh.size, head, hashlib.sha256(first + last).hexdigest()])
+        files.append([sh.file, sh.size, sh.header_sha256, hashlib.sha256(first + last).hexdigest()])
     for rel in ["config.json", *src.side_files]:
         p = src.root / rel
-        files.append([rel, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()])
+        files.append([rel, p.stat().st_size, sha256_file(p)])
     return files
 
 
@@ -507,7 +507,8 @@ def write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfi
             continue
         outdir.copy_file(source.root / rel, rel)
     if len(plan.shard_names) > 1:
-        outdir.write_text("model.safetensors.index.json", index_json(plan))
+        weight_map = {o.name: plan.shard_names[o.shard] for o in plan.outputs}
+        outdir.write_text(INDEX_NAME, index_json(weight_map, total_size=sum(plan.shard_sizes)))
     outdir.write_text("config.json", config_json(source.config, plan.quantization_config()))
     files = [FileRecord(name=n, size=(outdir.staging / n).stat().st_size,
                         sha256=outdir.recorded_sha256(n) or sha256_file(outdir.staging / n))
