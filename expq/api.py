@@ -19,6 +19,8 @@ from .devices import parse_devices, warm_up
 from .engines.clients import stock_transformers_misloads
 from .errors import HubError, Interrupted, SourceError, UsageError, option
 from .formats import FORMATS
+from .io.hashing import sha256_file
+from .io.index import INDEX_NAME, index_json
 from .layouts import Layout
 from .manifest import CONFIG, MANIFEST, FileRecord, Manifest
 from .options import check_convert, check_inspect
@@ -26,7 +28,7 @@ from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
 from .streaming import ShardStream, streamed
-from .writer import STOP, OutputDir, OutputError, ShardSet, config_json, index_json, sha256_file
+from .writer import STOP, OutputDir, OutputError, ShardSet, config_json
 
 
 @dataclass
@@ -548,7 +550,8 @@ def write_side_files(plan: Plan, outdir: OutputDir, stats: RunStats, allow_nonfi
             continue
         outdir.copy_file(source.root / rel, rel)
     if len(plan.shard_names) > 1:
-        outdir.write_text("model.safetensors.index.json", index_json(plan))
+        weight_map = {o.name: plan.shard_names[o.shard] for o in plan.outputs}
+        outdir.write_text(INDEX_NAME, index_json(weight_map, total_size=sum(plan.shard_sizes)))
     files = [_file_record(outdir, n) for n in outdir.staged_files() if n not in (MANIFEST, CONFIG)]
     man = Manifest.from_plan(plan, stats, allow_nonfinite=allow_nonfinite, command=command,
                              source_card=_source_card(source), settings=settings, files=files)

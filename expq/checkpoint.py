@@ -8,7 +8,6 @@ expert biases ``w13_bias`` [E, 2I] (same row order) and ``w2_bias`` [E, H].
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +18,10 @@ from .experts import ExpertMap, w13_rows
 from .formats import FORMATS, Format, format_for_quant_method, get_format
 from .layouts import Layout, builtin_layout, detect_layout, parse_layout
 from .manifest import MANIFEST, Manifest
+from .io.index import INDEX_NAME, SINGLE_NAME, Index, read_index
+from .io.safetensors import TORCH_DTYPES, Shard, TensorInfo, read_header, read_tensor
 from .scheme import COMPUTE_DTYPES
-from .source import (INDEX_NAME, SINGLE_NAME, TORCH_DTYPES, Shard, TensorInfo, read_config, read_header,
-                     read_tensor)
+from .source import read_config
 
 
 @dataclass
@@ -75,7 +75,9 @@ class ConvertedCheckpoint:
                               file="config.json")
         self.manifest: Manifest | None = Manifest.load_optional(self.root)
         self.layout = self._layout()
-        self.index, self.weight_map, files = _read_index(self.root)
+        index_path = self.root / INDEX_NAME
+        self.index: Index | None = read_index(index_path) if index_path.is_file() else None
+        files = self.index.files if self.index is not None else _single_file(self.root)
         self.shards: dict[str, Shard] = {}
         self.missing_files: list[str] = []
         for f in files:
@@ -122,6 +124,11 @@ class ConvertedCheckpoint:
         return name
 
     # --- what callers ask -----------------------------------------------------------------------------------------
+    @property
+    def weight_map(self) -> dict[str, str] | None:
+        """The index's tensor name -> shard file (None for a single ``model.safetensors`` without an index)."""
+        return self.index.weight_map if self.index is not None else None
+
     @property
     def num_layers(self) -> int:
         return self.experts.num_layers
@@ -214,22 +221,14 @@ class ConvertedCheckpoint:
         return res
 
 
-def _read_index(root: Path) -> tuple[dict | None, dict[str, str] | None, list[str]]:
-    """(index, weight map, shard files) of a converted checkpoint (no index for a single ``model.safetensors``)."""
-    idx = root / INDEX_NAME
-    if idx.is_file():
-        try:
-            index = json.loads(idx.read_text())
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError
-        except OSError as e:
-            raise SourceError(f"cannot read: {e.strerror or e}", file=INDEX_NAME) from None
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
-            raise SourceError("not a valid safetensors index", file=INDEX_NAME) from None
-        return index, weight_map, sorted(set(weight_map.values()))
+def _single_file(root: Path) -> list[str]:
+    """The shard of a converted checkpoint without an index: its ``model.safetensors``.
+
+    Raises:
+        SourceError: there is none.
+    """
     if (root / SINGLE_NAME).is_file():
-        return None, None, [SINGLE_NAME]
+        return [SINGLE_NAME]
     raise SourceError("no model.safetensors or index", file=str(root))
 
 

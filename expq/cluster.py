@@ -442,7 +442,8 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .hub import PushReport, compare_remote, file_sha256, translate_hub_error
+    from .hub import PushReport, compare_remote, translate_hub_error
+    from .io.hashing import sha256_file
 
     api = HfApi(token=token)
     shard_ops = [results[n].operation for n in plan.shard_names]
@@ -452,7 +453,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
         rel = p.relative_to(small).as_posix()
         if p.is_file() and rel not in results:
             small_ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
-            files.append({"path": rel, "size": p.stat().st_size, "sha256": file_sha256(p)})
+            files.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
     ops = shard_ops + small_ops
     batches = [ops] if len(ops) <= MAX_FILES_PER_COMMIT else (
         [shard_ops[i:i + MAX_FILES_PER_COMMIT] for i in range(0, len(shard_ops), MAX_FILES_PER_COMMIT)]

@@ -19,6 +19,7 @@ from .version import __version__
 from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, UsageError, option
+from .io.hashing import git_blob_id, sha256_file
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
 from .options import check_repo_id
@@ -70,23 +71,8 @@ def local_files(out: Path) -> list[dict]:
         rel = p.relative_to(out).as_posix()
         if any(fnmatch.fnmatch(rel, pat) for pat in IGNORE) or rel.startswith(".") or "/." in rel:
             continue
-        files.append({"path": rel, "size": p.stat().st_size, "sha256": file_sha256(p)})
+        files.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
     return files
-
-
-def file_sha256(p: Path) -> str:
-    """The file's sha256 (huggingface_hub's own hashing, as it computes LFS ids)."""
-    from huggingface_hub.utils.sha import sha_fileobj
-
-    with open(p, "rb") as f:
-        return sha_fileobj(f).hex()
-
-
-def _git_blob_sha1(p: Path) -> str:
-    """The git blob id the Hub reports for a small (non-LFS) file (huggingface_hub's ``git_hash``)."""
-    from huggingface_hub.utils.sha import git_hash
-
-    return git_hash(p.read_bytes())
 
 
 INSTALL_ENV = "EXPQ_INSTALL"  # the card's install command, when push is not given one
@@ -595,7 +581,7 @@ def compare_remote(api, out: Path, repo_id: str, revision: str | None, res: Push
             sha = lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)
             if sha != f["sha256"]:
                 bad.append(f"{f['path']}: sha256 on the Hub differs")
-        elif getattr(r, "blob_id", None) and r.blob_id != _git_blob_sha1(out / f["path"]):
+        elif getattr(r, "blob_id", None) and r.blob_id != git_blob_id(out / f["path"]):
             bad.append(f"{f['path']}: content on the Hub differs")
     res.checked_remote = len(res.files) - len(bad)
     if bad:

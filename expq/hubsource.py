@@ -16,28 +16,28 @@ header with HTTP range requests; ``hub_failure`` classifies errors where no cach
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
                      IncompleteCacheError, SourceError)
-from .source import INDEX_NAME, SINGLE_NAME, WEIGHT_FILE, Shard, header_length, parse_header
+from .io.hashing import git_blob_id, sha256_file
+from .io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
+from .io.safetensors import Shard, header_length, parse_header
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 OFFLINE = "HF_HUB_OFFLINE is set"
 
 
-def select_files(repo: str, revision: str, paths: list[str], weight_map: dict[str, str] | None) -> list[str]:
+def select_files(repo: str, revision: str, paths: list[str], index: Index | None) -> list[str]:
     """The files of a Hub checkpoint that expq needs, sorted.
 
     Args:
         repo, revision: for error messages.
         paths: every file of the revision (repo-relative, ``/``-separated).
-        weight_map: the index's ``weight_map`` (None when there is no index, or it is unreadable: then only the
-            index itself is chosen and ``open_source`` reports what is wrong with it).
+        index: the index (None when there is none, or it is not valid: then only the index file itself is
+            chosen and ``open_source`` reports what is wrong with it).
 
     Returns:
         the shards the index names (or the single ``model.safetensors``, or the one root ``*.safetensors``), the
@@ -48,35 +48,23 @@ def select_files(repo: str, revision: str, paths: list[str], weight_map: dict[st
     Raises:
         HubError: no ``*.safetensors`` weights, or several at the root without an index (exit status 1).
     """
-    root = [p for p in paths if "/" not in p and not p.startswith(".")]
-    side = [p for p in root if not WEIGHT_FILE.search(p) and p != INDEX_NAME]
-    if INDEX_NAME in paths:
-        weights = sorted(set(weight_map.values())) if weight_map is not None else []
-        return sorted(set(side) | set(weights) | {INDEX_NAME})
-    if SINGLE_NAME in paths:
-        return sorted(set(side) | {SINGLE_NAME})
-    found = sorted(p for p in root if p.endswith(".safetensors"))
-    if len(found) == 1:
-        return sorted(set(side) | set(found))
-    if found:
-        raise HubError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the model's "
-                       "weights", repo=repo, revision=revision)
-    others = sorted(p for p in paths if WEIGHT_FILE.search(p))
-    extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
-    raise HubError(f"no safetensors weights{extra}", repo=repo, revision=revision)
+    side = [p for p in paths if "/" not in p and not p.startswith(".") and not is_weight_file(p) and p != INDEX_NAME]
+    try:
+        weights = weight_files(paths, index)
+    except SourceError as e:
+        raise HubError(e.message, repo=repo, revision=revision) from None
+    return sorted(set(side) | set(weights) | ({INDEX_NAME} if INDEX_NAME in paths else set()))
 
 
-def read_weight_map(index: Path | None) -> dict[str, str] | None:
-    """The ``weight_map`` of an index file, or None when there is none or it is not a str -> str mapping."""
-    if index is None or not index.is_file():
+def index_or_none(path: Path | None) -> Index | None:
+    """The index at ``path`` (``io.index.read_index``), or None when there is none or it is not valid (the
+    conversion's ``open_source`` then names what is wrong with it)."""
+    if path is None or not path.is_file():
         return None
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return read_index(path)
+    except SourceError:
         return None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return None
-    return weight_map
 
 
 def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = None) -> tuple[Path, str]:
@@ -132,7 +120,7 @@ def _choose(repo: str, rev: str, token: str | bool | None, *, local_dir: Path | 
     index = None
     if INDEX_NAME in paths:
         index = Path(hf_hub_download(repo, INDEX_NAME, revision=info.sha, token=token, local_dir=local_dir))
-    files = select_files(repo, rev, paths, read_weight_map(index))
+    files = select_files(repo, rev, paths, index_or_none(index))
     absent = sorted(set(files) - set(paths))
     if absent:
         more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
@@ -163,19 +151,13 @@ class RemoteFile:
         if got != self.size:
             return f"downloaded {got} bytes but the Hub lists {self.size}"
         if self.sha256 is not None:
-            h = hashlib.sha256()
-            want, what = self.sha256, "the LFS oid (sha256)"
+            have, want, what = sha256_file(path), self.sha256, "the LFS oid (sha256)"
         elif self.blob_id is not None:
-            h = hashlib.sha1(b"blob %d\0" % got)
-            want, what = self.blob_id, "the git blob id"
+            have, want, what = git_blob_id(path), self.blob_id, "the git blob id"
         else:
             return None
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        if h.hexdigest() != want:
-            return (f"the downloaded content hashes to {h.hexdigest()[:16]}..., not to {what} {want[:16]}... the Hub "
-                    "lists")
+        if have != want:
+            return f"the downloaded content hashes to {have[:16]}..., not to {what} {want[:16]}... the Hub lists"
         return None
 
 
@@ -220,7 +202,7 @@ def fetch_listing(repo: str, folder: Path, *, revision: str | None = None,
     try:
         info, files = _choose(repo, rev, token, local_dir=folder, files_metadata=True)
         listed = {s.rfilename: s for s in info.siblings or []}
-        weights = {f: _remote_file(listed[f]) for f in files if WEIGHT_FILE.search(f)}
+        weights = {f: _remote_file(listed[f]) for f in files if is_weight_file(f)}
         side = [f for f in files if f not in weights]
         for f in side:
             if f != INDEX_NAME:
@@ -241,7 +223,7 @@ def _remote_file(sibling) -> RemoteFile:
 
 def read_remote_header(listing: StreamListing, rel: str, path: Path) -> Shard:
     """One weight file's header, read from the Hub without any of its tensor data: two ranged GETs (its 8-byte
-    length, then exactly the header) through huggingface_hub's session, validated by ``source.parse_header``
+    length, then exactly the header) through huggingface_hub's session, validated by ``io.safetensors.parse_header``
     against the size the listing gives (so a header that does not cover the file is refused before the download).
 
     Args:
@@ -343,7 +325,7 @@ def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:
     paths = _cached_listing(repo, commit, cache)
     if paths is None:  # no cached file list (an older client): what the snapshot holds, plus what the index names
         paths = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if not p.is_dir()] + ["config.json"]
-    files = select_files(repo, revision, paths, read_weight_map(snap / INDEX_NAME))
+    files = select_files(repo, revision, paths, index_or_none(snap / INDEX_NAME))
     if INDEX_NAME in files and not (snap / INDEX_NAME).is_file():
         files = [INDEX_NAME]  # what else is missing cannot be known without the index
     missing = [f for f in files if not (snap / f).exists()]  # exists(): a link into blobs/ must resolve

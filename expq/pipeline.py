@@ -32,9 +32,9 @@ import torch
 
 from . import parallel
 from .errors import Interrupted, NonFiniteError
+from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
 from .plan import Job, OutTensor, Plan
 from .scheme import quantize_matrix
-from .source import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
 from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20

@@ -20,10 +20,11 @@ from .errors import LayoutError, SourceError
 from .experts import ExpertMap, ExpertTensor, Matrix
 from .engines.clients import stock_transformers_misloads
 from .formats import AUTO, Format, get_format
+from .io.safetensors import DTYPE_BITS, TORCH_DTYPES
 from .layouts import Layout, detect_layout, load_layout, nested_configs
 from .options import parse_size
-from .scheme import resolve_compute_dtype
-from .source import DTYPE_BITS, FLOAT_DTYPES, Source
+from .scheme import COMPUTE_DTYPES, resolve_compute_dtype
+from .source import Source
 
 DEFAULT_FORMAT = AUTO  # the family's default format (its layout's [clients] format)
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -253,7 +254,7 @@ def config_dtype(config: dict) -> str | None:
 def _check_expert_dtypes(source: Source, experts: ExpertMap) -> None:
     for name in experts.tensors:
         t = source.logical[name]
-        if t.dtype not in FLOAT_DTYPES:
+        if TORCH_DTYPES.get(t.dtype) not in COMPUTE_DTYPES.values():
             raise SourceError(f"routed-expert weight is {t.dtype}, not bf16/fp16/fp32", file=t.file, tensor=name)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import parallel
-from .options import DTYPE_ALIASES
+from .options import DTYPE_ALIASES, DTYPE_NAMES
 
 INT8_MAX = 127
 """Largest code magnitude: vLLM clamps to [-127, 127] (symmetric; -128 is never produced)."""
@@ -41,7 +41,8 @@ ZERO_ROW_SCALE = 0.0
 # fp32(1/127), computed as CUDA computes the reciprocal of a scalar divisor: in fp32.
 _RECIP_INT8_MAX = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(INT8_MAX), dtype=torch.float32)
 
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+COMPUTE_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""The compute dtypes by name (``options.DTYPE_NAMES``; torch names them the same)."""
 _DTYPE_ALIASES = DTYPE_ALIASES  # the names are options' (checked there before torch is imported)
 
 

@@ -1,15 +1,11 @@
-"""The source checkpoint: resolving a directory or Hub repo id, reading the index and shard headers, validating the
-files, and lazy, bounded reads of one tensor at a time.
-
-A safetensors file is ``u64 little-endian header length | JSON header | data``; each header entry gives ``dtype``,
-``shape`` and ``data_offsets`` relative to the data start (https://github.com/huggingface/safetensors). We read the
-header ourselves because passthrough tensors are copied as raw bytes (byte-identical by construction, any dtype).
+"""The source checkpoint: resolving a directory or Hub repo id, and opening it: config.json, which files are the
+weights, their headers checked against the index, the side files, and the decoder for how the weights are stored.
+The bytes themselves (headers, reads, the index) are read through ``expq.io``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,63 +14,12 @@ from typing import Any, Callable
 
 import torch
 
+from .decoders.base import Decoder, LogicalTensor
 from .errors import SourceError
-from .io.regular import check_regular, open_regular, read_regular
+from .io.regular import check_regular, read_regular
+from .io.index import INDEX_NAME, Index, check_index, is_weight_file, read_index, weight_files
+from .io.safetensors import Shard, TensorInfo, json_kind, printable_name, read_header, read_tensor
 from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-MAX_HEADER = 100_000_000  # the safetensors library's limit (bytes of JSON header)
-MAX_USIZE = 2**64 - 1  # shapes and offsets are u64 in the library
-LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
-ENTRY_KEYS = ("dtype", "shape", "data_offsets")
-
-# Bits per element of every safetensors dtype.
-DTYPE_BITS = {
-    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32,
-    "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4,
-    "C64": 64, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-}
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-}
-FLOAT_DTYPES = ("F32", "F16", "BF16")
-
-# Files that hold weights in other formats (or weights the index does not reference): never copied to OUT.
-WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx|tflite|ot|npz)$|(^|/)original/")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a shard: its name, safetensors dtype string, shape and absolute byte range in the file."""
-
-    name: str
-    file: str  # path relative to the checkpoint directory
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class Shard:
-    """One safetensors file: its tensors in file order and its ``__metadata__``."""
-
-    file: str
-    path: Path
-    size: int
-    tensors: list[TensorInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,8 +43,8 @@ class Source:
     tensors: dict[str, TensorInfo]
     side_files: list[str]
     skipped_files: list[str]
-    decoder: Any = None
-    logical: dict[str, Any] = field(default_factory=dict)
+    decoder: Decoder
+    logical: dict[str, LogicalTensor]
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
@@ -117,7 +62,7 @@ class Source:
         """One stored tensor (``read_tensor`` under this source's root)."""
         return read_tensor(self.root, info)
 
-    def read_logical(self, tensor) -> torch.Tensor:
+    def read_logical(self, tensor: LogicalTensor) -> torch.Tensor:
         """One logical tensor: its stored bytes, or decoded by the source's decoder (CPU tensor)."""
         if not tensor.decoded:
             return read_tensor(self.root, tensor.stored)
@@ -137,215 +82,6 @@ class RemoteShards:
 
     files: list[str]
     read_header: Callable[[str], Shard]
-
-
-def read_header(path: Path, rel: str) -> Shard:
-    """Parse and validate one safetensors file's header as strictly as the safetensors library does.
-
-    The header must be UTF-8 JSON (at most 100,000,000 bytes) holding an object; ``__metadata__`` (optional) maps
-    strings to strings; every other key is a tensor whose entry holds ``dtype`` (a safetensors dtype name), ``shape``
-    (non-negative integers) and ``data_offsets`` (``[begin, end]``, non-negative integers, ``begin <= end``) whose
-    length matches dtype and shape. Sorted by offset, the tensors must cover the data area exactly: no overlap, no
-    gap, nothing after the last tensor (the library refuses trailing bytes too). Unknown keys inside an entry are
-    ignored, as the library ignores them.
-
-    Example:
-        >>> shard = read_header(Path("ckpt/model.safetensors"), "model.safetensors")  # doctest: +SKIP
-        >>> [(t.name, t.dtype, t.shape) for t in shard.tensors]  # doctest: +SKIP
-        [('lm_head.weight', 'BF16', (32, 64)), ...]
-
-    Raises:
-        SourceError: one line naming the file (and the tensor where one is at fault): unreadable file, a Git LFS
-            pointer instead of the weights, bad header length, header not UTF-8 JSON or not an object, a malformed
-            entry or metadata, unknown dtype, offsets that overlap, leave gaps, disagree with the shape, stop short
-            of the end of the file or run past it (a truncated download).
-    """
-    size, blob = _header_bytes(path)
-    return parse_header(blob, size, rel, path=path)
-
-
-def header_length(prefix: bytes, size: int, where: str) -> int:
-    """The header length a safetensors file's first bytes give (``prefix``: at least its first 8 bytes, or the whole
-    file when it is shorter), checked against the file's ``size`` in bytes.
-
-    Raises:
-        SourceError: (naming ``where``) a Git LFS pointer, a file shorter than 8 bytes, or a length that is 0, over
-            100,000,000 or past the end of the file.
-    """
-    if prefix.startswith(LFS_POINTER):
-        raise SourceError("a Git LFS pointer, not the weights", file=where, hint="run git lfs pull")
-    if len(prefix) < 8:
-        raise SourceError("not a safetensors file (shorter than its 8-byte header length)", file=where)
-    n = int.from_bytes(prefix[:8], "little")
-    if n <= 0 or n > MAX_HEADER or 8 + n > size:
-        raise SourceError(f"not a safetensors file (header length {n}, file size {size})", file=where)
-    return n
-
-
-def parse_header(blob: bytes, size: int, rel: str, *, path: Path, where: str | None = None) -> Shard:
-    """Validate a safetensors header given as bytes (``read_header``'s checks, without reading a file): ``blob`` is
-    the header JSON (the ``n`` bytes after the 8-byte length), ``size`` the whole file's size in bytes.
-
-    Args:
-        rel: the file's path relative to the checkpoint directory (``TensorInfo.file``).
-        path: where the file is (or will be) on disk (``Shard.path``).
-        where: how error lines name the file (default: ``path``), e.g. ``hf://org/name/model.safetensors``.
-
-    Returns:
-        the Shard, each TensorInfo with its absolute byte range in the file (``8 + len(blob)`` + data offsets).
-
-    Raises:
-        SourceError: as ``read_header``, naming ``where``.
-    """
-    where = str(path) if where is None else where
-    base = 8 + len(blob)
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SourceError(f"not a safetensors file (header is not UTF-8: byte {e.start})", file=where) from None
-    header = _header_json(text, where)
-    meta = _header_metadata(header.pop("__metadata__", None), where)
-    tensors = [_header_entry(name, e, rel, base, where) for name, e in header.items()]
-    tensors.sort(key=lambda x: (x.start, x.end))
-    pos = base
-    for ti in tensors:
-        if ti.start != pos:
-            raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=where,
-                              tensor=_shown(ti.name))
-        pos = ti.end
-    last = _shown(tensors[-1].name) if tensors else None
-    if pos > size:
-        raise SourceError(f"file is truncated: data ends at byte {pos} but the file has {size} bytes",
-                          file=where, tensor=last)
-    if pos < size:
-        extra = size - pos
-        raise SourceError(f"{extra} byte{'s' if extra != 1 else ''} after the end of the last tensor's data (byte "
-                          f"{pos}): the header does not cover the file", file=where, tensor=last)
-    return Shard(rel, path, size, tensors, meta)
-
-
-def _header_bytes(path: Path) -> tuple[int, bytes]:
-    """(file size, header bytes) of a safetensors file; Git LFS pointers named as such."""
-    where = str(path)
-    fd = open_regular(path, "safetensors file")
-    try:
-        size = os.fstat(fd).st_size
-        with open(fd, "rb") as f:
-            raw = f.read(8)
-            if raw.startswith(LFS_POINTER[:8]):
-                raw += f.read(len(LFS_POINTER) - 8)
-            n = header_length(raw, size, where)
-            f.seek(8)
-            blob = f.read(n)
-    except OSError as e:
-        raise SourceError(f"cannot read: {e.strerror or e}", file=where) from None
-    if len(blob) != n:
-        raise SourceError(f"short read of the header ({len(blob)} of {n} bytes): file changed or truncated",
-                          file=where)
-    return size, blob
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def _header_json(text: str, where: str) -> dict:
-    """The header text as a dict (strict JSON: no NaN/Infinity, no lone surrogates, bounded nesting)."""
-    try:
-        header = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise SourceError("not a safetensors file (header JSON is nested too deeply)", file=where) from None
-    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers too long to convert
-        raise SourceError(f"not a safetensors file (header is not JSON: {_brief_error(e)})", file=where) from None
-    if not isinstance(header, dict):
-        raise SourceError(f"not a safetensors file (header is {_kind(header)}, not a JSON object)", file=where)
-    for key in header:
-        if not _valid_text(key):
-            raise SourceError(f"tensor name {ascii(key)[:80]} is not valid Unicode", file=where)
-    return header
-
-
-def _header_metadata(meta: Any, where: str) -> dict[str, str]:
-    """``__metadata__``: absent, null or a str -> str object."""
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise SourceError(f"__metadata__ must be an object of strings, got {_kind(meta)}", file=where)
-    for k, v in meta.items():
-        if not isinstance(v, str) or not _valid_text(k) or not _valid_text(v):
-            raise SourceError(f"__metadata__[{ascii(k)[:80]}] must be a string, got {_kind(v)}", file=where)
-    return meta
-
-
-def _header_entry(name: str, e: Any, rel: str, base: int, where: str) -> TensorInfo:
-    """One tensor entry of a header, checked: dtype, shape, offsets and their agreement."""
-    def bad(what: str) -> SourceError:
-        return SourceError(f"malformed header entry: {what}", file=where, tensor=_shown(name))
-
-    if not isinstance(e, dict):
-        raise bad(f"expected an object with {', '.join(ENTRY_KEYS)}, got {_kind(e)}")
-    missing = [k for k in ENTRY_KEYS if k not in e]
-    if missing:
-        raise bad(f"no {', '.join(missing)}")
-    dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise SourceError(f"unknown dtype {_kind(dtype)}", file=where, tensor=_shown(name))
-    if not isinstance(shape, list) or not all(_is_u64(x) for x in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {_kind(shape)}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(x) for x in offsets):
-        raise bad(f"data_offsets must be [begin, end] (non-negative integers), got {_kind(offsets)}")
-    s, t = offsets
-    if s > t:
-        raise bad(f"data_offsets {offsets} end before they begin")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits > MAX_USIZE:
-        raise bad(f"shape {shape} is too large")
-    if bits % 8:
-        raise bad(f"{dtype}{shape} does not fill whole bytes ({bits} bits)")
-    if t - s != bits // 8:
-        raise SourceError(f"byte range {t - s} does not match {dtype}{shape} ({bits // 8} bytes)",
-                          file=where, tensor=_shown(name))
-    return TensorInfo(name, rel, dtype, tuple(shape), base + s, base + t)
-
-
-def _is_u64(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_USIZE
-
-
-def _valid_text(s: str) -> bool:
-    """A string that UTF-8 can hold (JSON lets ``\\ud800`` through; the safetensors library refuses it)."""
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _shown(name: str) -> str:
-    """A tensor name as an error line shows it: as is when printable, else escaped; long names cut."""
-    shown = name if name.isprintable() else ascii(name)
-    return shown if len(shown) <= 200 else shown[:200] + "..."
-
-
-def _kind(v: Any) -> str:
-    """A JSON value in a few words for an error line (never a deep or huge repr)."""
-    if isinstance(v, dict):
-        return "an object"
-    if isinstance(v, list):
-        if len(v) <= 8 and all(isinstance(x, (int, float, str, bool)) or x is None for x in v):
-            return _kind_short(json.dumps(v))
-        return f"a list of {len(v)}"
-    if v is None:
-        return "null"
-    return _kind_short(json.dumps(v))
-
-
-def _kind_short(text: str) -> str:
-    return text if len(text) <= 60 else text[:60] + "..."
-
-
-def _brief_error(e: Exception) -> str:
-    return _kind_short(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def open_source(root: str | Path, *, repo_id: str | None = None, revision: str | None = None,
@@ -376,15 +112,15 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     inside = _Inside(root, enabled=not allow_outside_links)
     inside.check("config.json", "config.json")
     config = read_config(root)
-    weight_map, files = _shard_files(root, remote.files if remote is not None else None)
-    what = f"listed in {INDEX_NAME}, but" if weight_map is not None else "weights file"
-    if weight_map is not None:
+    index, files = _shard_files(root, remote.files if remote is not None else None)
+    what = f"listed in {INDEX_NAME}, but" if index is not None else "weights file"
+    if index is not None:
         inside.check(INDEX_NAME, INDEX_NAME)
     for rel in files:
         inside.check(rel, what)
     shards, tensors = _read_shards(root, files, remote.read_header if remote is not None else None)
-    if weight_map is not None:
-        _check_index(root, weight_map, tensors)
+    if index is not None:
+        check_index(root, index, tensors)
     side, skipped = _side_files(root, set(files), inside)
     decoder = detect(config, tensors)
     return Source(root=root, config=config, shards=shards, tensors=tensors, side_files=side, skipped_files=skipped,
@@ -447,7 +183,6 @@ def read_config(root: Path) -> dict:
     return config
 
 
-MAX_INDEX_BYTES = 256 << 20  # model.safetensors.index.json (tens of MB for the largest models)
 MAX_CONFIG_BYTES = 64 << 20  # config.json (real ones are a few KiB; some carry large vocab tables)
 MAX_INT_DIGITS = 4300  # Python's default limit on converting decimal strings to int
 
@@ -466,7 +201,7 @@ def _refuse_long_ints(config: dict, cfg_path: Path) -> None:
     while todo:
         v, key = todo.pop()
         if isinstance(v, _LongInt):
-            raise SourceError(f"{_shown(key) or 'the top level'} is an integer of {len(v.lstrip('-'))} digits "
+            raise SourceError(f"{printable_name(key) or 'the top level'} is an integer of {len(v.lstrip('-'))} digits "
                               f"(at most {MAX_INT_DIGITS})", file=str(cfg_path))
         if isinstance(v, dict):
             todo += [(x, f"{key}.{k}" if key else str(k)) for k, x in v.items()]
@@ -494,51 +229,31 @@ def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> No
     for n in nested:
         v = config.get(n)
         if v is not None and not isinstance(v, dict):
-            raise SourceError(f"{n} must be a JSON object, got {_kind(v)}", file=str(cfg_path))
+            raise SourceError(f"{n} must be a JSON object, got {json_kind(v)}", file=str(cfg_path))
         if v is not None:
             scopes.append((f"{n}.", v))
     for prefix, scope in scopes:
         mt = scope.get("model_type")
         if mt is not None and not isinstance(mt, str):
-            raise SourceError(f"{prefix}model_type must be a string, got {_kind(mt)}", file=str(cfg_path))
+            raise SourceError(f"{prefix}model_type must be a string, got {json_kind(mt)}", file=str(cfg_path))
         archs = scope.get("architectures")
         if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
-            raise SourceError(f"{prefix}architectures must be a list of strings, got {_kind(archs)}",
+            raise SourceError(f"{prefix}architectures must be a list of strings, got {json_kind(archs)}",
                               file=str(cfg_path))
 
 
-def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[dict[str, str] | None, list[str]]:
-    """(the index's weight map or None, the shard files in name order). Without an index, ``remote`` (the weight
-    files of a streamed source, not on disk yet) stands for what the directory would hold."""
-    index_path = root / INDEX_NAME
-    if index_path.exists():
-        raw = read_regular(index_path, "index", MAX_INDEX_BYTES)
-        try:
-            weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
-            raise SourceError("not a valid safetensors index (needs a weight_map)", file=str(index_path)) from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise SourceError("weight_map must map tensor names to file names", file=str(index_path))
-        files = sorted(set(weight_map.values()))
-        for rel in files:  # lexically: Hub cache snapshots are symlinks into the blob store, which is fine
-            norm = os.path.normpath(rel)
-            if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
-                raise SourceError(f"weight_map names a file outside the checkpoint directory: {rel!r}",
-                                  file=str(index_path))
-        return weight_map, files
-    if remote is not None and len(remote) == 1:
+def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[Index | None, list[str]]:
+    """(the index or None, the shard files in name order: ``io.index.weight_files``'s rule over the directory).
+    Without an index, ``remote`` (the weight files of a streamed source, not on disk yet) stands for what the
+    directory would hold."""
+    names = sorted(p.name for p in root.iterdir())
+    index = read_index(root / INDEX_NAME) if INDEX_NAME in names else None
+    if index is None and remote is not None and len(remote) == 1:
         return None, list(remote)
-    if (root / SINGLE_NAME).is_file():
-        return None, [SINGLE_NAME]
-    found = sorted(p.name for p in root.glob("*.safetensors"))
-    if len(found) == 1:
-        return None, found
-    if found:
-        raise SourceError(f"{len(found)} safetensors files but no {INDEX_NAME}: cannot tell which are the "
-                          "model's weights", file=str(root))
-    others = sorted(p.name for p in root.iterdir() if WEIGHT_FILE.search(p.name))
-    extra = f" (found {', '.join(others[:3])}: convert them to safetensors first)" if others else ""
-    raise SourceError(f"no safetensors weights{extra}", file=str(root))
+    try:
+        return index, weight_files(names, index)
+    except SourceError as e:
+        raise SourceError(e.message, file=str(root)) from None
 
 
 def _read_shards(root: Path, files: list[str], remote: Callable[[str], Shard] | None = None
@@ -582,21 +297,7 @@ def _in_threads(fn: Callable[[str], Shard], files: list[str], threads: int = 8):
                 f.cancel()
 
 
-def _check_index(root: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
-    for name, rel in weight_map.items():
-        got = tensors.get(name)
-        if got is None:
-            raise SourceError(f"listed in {INDEX_NAME} but not in the file", file=str(root / rel), tensor=name)
-        if got.file != rel:
-            raise SourceError(f"{INDEX_NAME} says {rel} but the tensor is in {got.file}", file=str(root / rel),
-                              tensor=name)
-    extra = sorted(set(tensors) - set(weight_map))
-    if extra:
-        raise SourceError(f"tensor not listed in {INDEX_NAME}", file=str(root / tensors[extra[0]].file),
-                          tensor=extra[0])
-
-
-def _side_files(root: Path, weight_files: set[str], inside: _Inside | None = None) -> tuple[list[str], list[str]]:
+def _side_files(root: Path, shards: set[str], inside: _Inside | None = None) -> tuple[list[str], list[str]]:
     """(files to copy, weight files in other formats that are not copied), relative paths, sorted. Each file to copy
     must stay inside the checkpoint directory (``inside``); a link to a missing file is refused."""
     side, skipped = [], []
@@ -604,9 +305,9 @@ def _side_files(root: Path, weight_files: set[str], inside: _Inside | None = Non
         rel = p.relative_to(root).as_posix()
         if rel.startswith(".") or "/." in rel:
             continue
-        if p.is_dir() or rel in weight_files or rel in (INDEX_NAME, "config.json"):
+        if p.is_dir() or rel in shards or rel in (INDEX_NAME, "config.json"):
             continue
-        if WEIGHT_FILE.search(rel):
+        if is_weight_file(rel):
             skipped.append(rel)
             continue
         if inside is not None:
@@ -667,71 +368,3 @@ def local_download_commit(src: Source) -> str | None:
             return None
     (commit,) = commits if len(commits) == 1 else (None,)
     return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
-
-
-def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:
-    """Read one tensor from its file: one ``readinto`` of its whole byte span (nothing else of the shard is loaded).
-
-    Args:
-        pinned: read into page-locked host memory (for asynchronous copies to a GPU).
-
-    Returns:
-        a CPU tensor of ``info.shape`` in the matching torch dtype.
-
-    Raises:
-        SourceError: the dtype has no torch equivalent here, or the read came back short.
-    """
-    dt = TORCH_DTYPES.get(info.dtype)
-    if dt is None:
-        raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
-    buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pinned)
-    view, got = memoryview(buf.numpy()), 0
-    try:
-        with open(src_root / info.file, "rb", buffering=0) as f:
-            if f.seek(info.start) == info.start:
-                while got < info.nbytes and (n := f.readinto(view[got:])):  # one syscall reads at most ~2 GiB
-                    got += n
-    except OSError as e:
-        raise SourceError(f"cannot read: {e.strerror or e}", file=str(src_root / info.file), tensor=info.name) from None
-    if got != info.nbytes:
-        raise SourceError(f"short read ({got} of {info.nbytes} bytes): file changed or truncated",
-                          file=str(src_root / info.file), tensor=info.name)
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dt)
-    return buf.view(dt).view(info.shape)
-
-
-def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:
-    """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory): in the
-    kernel with ``copy_file_range`` where the OS allows it, else by ``pread``/``pwrite`` in 64 MiB chunks (also
-    after ``copy_file_range`` failed, so that a failure is told apart: reading the source, or writing the output).
-
-    Raises:
-        SourceError: the source came back short or cannot be read (EIO...), naming it and the tensor.
-        OSError: writing the output failed (the caller names the output file).
-    """
-    with open(src_root / info.file, "rb", buffering=0) as f:
-        fd = f.fileno()
-        pos, left = info.start, info.nbytes
-        if hasattr(os, "copy_file_range"):
-            try:
-                while left:
-                    n = os.copy_file_range(fd, dst_fd, min(left, 1 << 30), pos, dst_offset + (pos - info.start))
-                    if n == 0:
-                        raise SourceError("short read: file changed or truncated", file=str(src_root / info.file), tensor=info.name)
-                    pos += n
-                    left -= n
-                return
-            except OSError:  # another filesystem, or not supported: fall back to plain reads and writes
-                pass
-        while left:
-            try:
-                data = os.pread(fd, min(chunk, left), pos)
-            except OSError as e:  # EIO...: the source's fault, not the output's
-                raise SourceError(f"cannot read: {e.strerror or e}", file=str(src_root / info.file),
-                                  tensor=info.name) from None
-            if not data:
-                raise SourceError("short read: file changed or truncated", file=str(src_root / info.file), tensor=info.name)
-            os.pwrite(dst_fd, data, dst_offset + (pos - info.start))
-            pos += len(data)
-            left -= len(data)

@@ -30,10 +30,10 @@ from .checkpoint import ConvertedCheckpoint, LayerExperts
 from .devices import parse_devices
 from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, UsageError
+from .io.index import INDEX_NAME
 from .kernels import select_backend
 from .manifest import MANIFEST, PUSH_WRITES, manifest_intact
 from .options import check_verify
-from .source import INDEX_NAME
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
 # Kernel vs the fp32 reference on the same (dequantized) weights: the only differences are roundings. In bf16 each of
@@ -244,7 +244,7 @@ UNCHECKED_FILES = PUSH_WRITES  # files a push rewrites in OUT (the model card): 
 def _check_files_recorded(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
     """Every file expq.json lists has its recorded size and sha256, none is missing, and OUT holds no other file
     (so any changed, missing or extra byte shows without the source)."""
-    from .writer import sha256_file
+    from .io.hashing import sha256_file
 
     name = "files match expq.json (size, sha256)"
     if ck.manifest is None or not ck.manifest.files:
@@ -379,7 +379,7 @@ def _check_index(ck: ConvertedCheckpoint, problems: list[str]) -> Check:
             if name not in ck.weight_map:
                 bad.append(f"tensor {name}: in {files[0]} but not in {INDEX_NAME}")
         total = sum(t.nbytes for sh in ck.shards.values() for t in sh.tensors)
-        declared = (ck.index.get("metadata") or {}).get("total_size")
+        declared = ck.index.total_size
         if declared != total:
             bad.append(f"{INDEX_NAME}: total_size {declared} but the shards hold {total} bytes of tensors")
     for b in bad:

@@ -51,6 +51,8 @@ from pathlib import Path
 import torch
 
 from .errors import ExpqError, UsageError
+from .io.hashing import sha256_file
+from .io.safetensors import encode_header
 from .manifest import MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, Manifest, manifest_intact
 from .plan import OutTensor, Plan
 from .source import read_config
@@ -124,15 +126,6 @@ def naming(path: Path | str, what: str = "cannot write"):
         raise OutputError(f"{what}: {e.strerror or e}", file=str(path)) from None
 
 
-def sha256_file(path: Path) -> str:
-    """The file's sha256 (hex), as the Hub computes LFS ids."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two directories (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
     _faults.hit("rename")
@@ -152,17 +145,6 @@ def _exchange(a: Path, b: Path) -> bool:
 def _rename(a: Path, b: Path) -> None:
     _faults.hit("rename")
     os.rename(a, b)
-
-
-def safetensors_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
-    """The header of a safetensors file holding ``tensors`` at their planned offsets: 8-byte little-endian length,
-    then JSON padded with spaces to a multiple of 8 bytes (so the data area starts aligned)."""
-    entries: dict = {"__metadata__": metadata or {"format": "pt"}}
-    for o in sorted(tensors, key=lambda o: o.offset):
-        entries[o.name] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": [o.offset, o.offset + o.nbytes]}
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
 
 
 class OutputDir:
@@ -532,7 +514,7 @@ def placeholder_shard(plan: Plan, k: int, path: Path) -> None:
     """A sparse stand-in for output shard ``k``: its real header (the plan fixes it) and its real size, no data
     (``--to-hub``: the driver reads headers and sizes from it, for the model card, and never holds the weights)."""
     members = [o for o in plan.outputs if o.shard == k]
-    header = safetensors_header(members)
+    header = encode_header(members)
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(len(header) + plan.shard_sizes[k])
@@ -718,7 +700,7 @@ class ShardSet:
         return any(self._left[o.shard] for o in outputs)
 
     def _open(self, k: int) -> tuple[int, int]:
-        header = safetensors_header(self._members[k])
+        header = encode_header(self._members[k])
         path = self.outdir.path(self.plan.shard_names[k])
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -878,12 +860,6 @@ class ShardSet:
     def complete(self) -> bool:
         """Every shard written and closed."""
         return all(n == 0 for n in self._left) and len(self.closed) == len(self.plan.shard_names)
-
-
-def index_json(plan: Plan) -> str:
-    """``model.safetensors.index.json``: ``total_size`` (bytes of tensor data) and the sorted weight map."""
-    weight_map = {o.name: plan.shard_names[o.shard] for o in sorted(plan.outputs, key=lambda o: o.name)}
-    return json.dumps({"metadata": {"total_size": sum(plan.shard_sizes)}, "weight_map": weight_map}, indent=2) + "\n"
 
 
 def config_json(config: dict, quantization_config: dict, manifest_sha256: str) -> str:

@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 import expq
 from expq.errors import LayoutError, SourceError, UsageError
+from expq.io.safetensors import DTYPE_BITS, read_header
 from expq.manifest import PlanRecord
-from expq.source import DTYPE_BITS, read_header
 
 # --- JSON values of every kind (what a hostile header or config may hold) ----------------------------------------
 SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, -1, 2**64 - 1, 2**64])

@@ -13,7 +13,8 @@ from safetensors import safe_open
 import expq
 from expq.decoders import detect
 from expq.decoders.fp8_block import Fp8BlockDecoder
-from expq.source import open_source, read_tensor
+from expq.io.safetensors import read_tensor
+from expq.source import open_source
 
 from fp8_fixture import make_fp8_deepseek
 from helpers import example, raw_bytes, read_tensors

@@ -15,7 +15,8 @@ from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
 import expq
 from expq.decoders import detect
 from expq.decoders.mxfp4 import Mxfp4Decoder
-from expq.source import open_source, read_tensor
+from expq.io.safetensors import read_tensor
+from expq.source import open_source
 
 
 @pytest.fixture(scope="module")

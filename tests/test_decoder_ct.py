@@ -21,7 +21,8 @@ from ct_fixture import (KIMI_STYLE_IGNORE, compress_weight, decompress_weight, m
 from expq import decoders
 from expq.decoders.compressed_tensors import CompressedTensorsDecoder
 from expq.errors import SourceError
-from expq.source import TensorInfo, open_source, read_tensor
+from expq.io.safetensors import TensorInfo, read_tensor
+from expq.source import open_source
 from helpers import example
 
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from expq.decoders import PlainDecoder, detect
 from expq.decoders.fp8_block import Fp8BlockDecoder
 from expq.errors import SourceError
-from expq.source import open_source, read_header, read_tensor
+from expq.io.safetensors import read_header, read_tensor
+from expq.source import open_source
 
 from fp8_fixture import vendor_dequant
 

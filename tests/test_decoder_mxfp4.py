@@ -14,7 +14,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from expq.decoders import DECODERS, PlainDecoder, detect
 from expq.decoders.mxfp4 import Mxfp4Decoder, dequantize
 from expq.errors import SourceError
-from expq.source import TensorInfo, open_source, read_tensor
+from expq.io.safetensors import TensorInfo, read_tensor
+from expq.source import open_source
 
 # E2M1 (OCP Microscaling Formats v1.0, table of FP4 E2M1 values): nibble -> value.
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 import expq
 from expq.cli import app
 from expq.errors import ExpqError, SourceError
-from expq.source import open_source, read_header
+from expq.io.safetensors import read_header
+from expq.source import open_source
 
 
 def run_cli(*args) -> tuple[int, str]:

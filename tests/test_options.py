@@ -93,9 +93,13 @@ def test_the_api_says_the_same(tmp_path, tmp_path_factory):
 
 
 def test_names_agree_with_what_they_stand_for():
+    import torch
+
+    from expq.io.safetensors import dtype_name
     from expq.scheme import COMPUTE_DTYPES
 
-    assert DTYPE_NAMES == tuple(COMPUTE_DTYPES)
+    assert COMPUTE_DTYPES == {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    assert [dtype_name(d) for d in COMPUTE_DTYPES.values()] == ["BF16", "F16", "F32"]
     assert set(DTYPE_ALIASES.values()) <= set(DTYPE_NAMES)
 
 

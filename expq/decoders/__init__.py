@@ -7,8 +7,8 @@ whose ``quantization_config`` no decoder understands is refused, naming its ``qu
 from __future__ import annotations
 
 from ..errors import SourceError
-from ..source import TensorInfo
-from .base import Decoder, LogicalTensor, ReadFn
+from ..io.safetensors import TensorInfo
+from .base import Decoder, LogicalTensor, ReadFn, source_quantization_config
 from .compressed_tensors import CompressedTensorsDecoder
 from .fp8_block import Fp8BlockDecoder
 from .mxfp4 import Mxfp4Decoder
@@ -22,17 +22,6 @@ DECODERS: list[type] = [
 """Quantized source formats, tried in order (each in its own file next to this one)."""
 
 __all__ = ["Decoder", "LogicalTensor", "ReadFn", "PlainDecoder", "DECODERS", "detect", "source_quantization_config"]
-
-
-def source_quantization_config(config: dict) -> dict | None:
-    """The source's ``quantization_config`` (top level, else a nested text config's), or None."""
-    from ..layouts import nested_configs
-
-    for _, scope in [("", config), *nested_configs(config)]:
-        qc = scope.get("quantization_config")
-        if qc:
-            return qc if isinstance(qc, dict) else {"quant_method": repr(qc)}
-    return None
 
 
 def detect(config: dict, tensors: dict[str, TensorInfo]) -> Decoder:

@@ -18,10 +18,10 @@ from typing import Callable, ClassVar, Protocol
 
 import torch
 
-from ..source import TensorInfo
+from ..io.safetensors import TensorInfo
 
 ReadFn = Callable[[TensorInfo], torch.Tensor]
-"""Reads one stored tensor (its raw dtype, on the CPU): ``source.read_tensor`` bound to the source root."""
+"""Reads one stored tensor (its raw dtype, on the CPU): ``io.safetensors.read_tensor`` bound to the source root."""
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,14 @@ class Decoder(Protocol):
             SourceError: the stored values cannot be decoded (names file and tensor).
         """
         ...
+
+
+def source_quantization_config(config: dict) -> dict | None:
+    """The source's ``quantization_config`` (top level, else a nested text config's), or None."""
+    from ..layouts import nested_configs
+
+    for _, scope in [("", config), *nested_configs(config)]:
+        qc = scope.get("quantization_config")
+        if qc:
+            return qc if isinstance(qc, dict) else {"quant_method": repr(qc)}
+    return None

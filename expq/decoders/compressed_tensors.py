@@ -48,8 +48,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import LayoutError, SourceError
-from ..source import TORCH_DTYPES, TensorInfo
-from .base import LogicalTensor, ReadFn
+from ..io.safetensors import TORCH_DTYPES, TensorInfo
+from .base import LogicalTensor, ReadFn, source_quantization_config
 
 NAME = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -108,8 +108,6 @@ class CompressedTensorsDecoder:
             SourceError: a config the installed compressed-tensors does not validate, a feature not decoded here,
                 routed experts already int8 per channel, or stored tensors that do not fit the config.
         """
-        from . import source_quantization_config
-
         raw = source_quantization_config(config)
         if raw is None and isinstance(config.get("compression_config"), dict):
             raw = config["compression_config"]

@@ -27,8 +27,8 @@ import torch
 
 from .. import parallel
 from ..errors import SourceError
-from ..source import TensorInfo, TORCH_DTYPES
-from .base import LogicalTensor, ReadFn
+from ..io.safetensors import TORCH_DTYPES, TensorInfo
+from .base import LogicalTensor, ReadFn, source_quantization_config
 
 FP8_WEIGHT_DTYPES = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
 """Stored weight dtypes this decoder reads (decided from the safetensors dtype string, never from element size)."""
@@ -82,8 +82,6 @@ class Fp8BlockDecoder:
             SourceError: ``weight_block_size`` malformed (names config.json and the key); a weight that has a
                 ``weight_scale_inv`` partner but is not stored F8_E4M3/F8_E5M2; no tensor stored in FP8 at all.
         """
-        from . import source_quantization_config
-
         qc = source_quantization_config(config)
         if not qc or qc.get("quant_method") != "fp8":
             return None

@@ -46,8 +46,8 @@ import torch
 
 from .. import parallel
 from ..errors import SourceError
-from ..source import TensorInfo
-from .base import LogicalTensor, ReadFn
+from ..io.safetensors import TensorInfo
+from .base import LogicalTensor, ReadFn, source_quantization_config
 
 BLOCK = 32
 """E2M1 values per block (one E8M0 scale each)."""
@@ -80,8 +80,6 @@ class Mxfp4Decoder:
             SourceError: the config says mxfp4 but no tensor is stored as MXFP4 blocks (names config.json), or a
                 ``*_blocks`` / ``*_scales`` tensor is not U8 (names file and tensor).
         """
-        from . import source_quantization_config
-
         qc = source_quantization_config(config)
         if not qc or str(qc.get("quant_method", "")).lower() != "mxfp4":
             return None

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import SourceError
-from ..source import TensorInfo
+from ..io.safetensors import TensorInfo
 from .base import LogicalTensor, ReadFn
 
 

@@ -30,11 +30,11 @@ import torch
 
 from ..engines.clients import Client, stock_w8a16_clients
 from ..experts import ExpertMap, Matrix, TensorLike
+from ..io.safetensors import dtype_name
 from ..layouts import Layout
 from .base import ReadByName, TensorRole, TensorSpec
 
 PACK_BLOCK = 1 << 19  # elements per packing call on a CPU (measured best: 256K-1M, see docs/benchmarks.md)
-_ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # vLLM 0.24 looks a MoE layer's experts up as `<layer>.0.gate_proj / up_proj / down_proj` whatever the model calls
 # them (docs/research-vllm-names.md): the targets pattern carries these names too.
 VLLM_024_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -97,7 +97,7 @@ class CompressedTensorsFormat:
         m = matrix.module
         shape = torch.tensor([matrix.rows, matrix.cols], dtype=torch.int64).numpy().tobytes()
         return [TensorSpec(f"{m}.weight_packed", "I32", (matrix.rows, math.ceil(matrix.cols / 4))),
-                TensorSpec(f"{m}.weight_scale", _ST[self.compute_dtype], (matrix.rows, 1)),
+                TensorSpec(f"{m}.weight_scale", dtype_name(self.compute_dtype), (matrix.rows, 1)),
                 TensorSpec(f"{m}.weight_shape", "I64", (2,), value=shape)]
 
     def encode(self, codes: torch.Tensor, scales: torch.Tensor,
