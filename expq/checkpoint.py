@@ -21,7 +21,7 @@ from .layouts import Layout, builtin_layout, detect_layout, parse_layout
 from .manifest import MANIFEST, Manifest
 from .scheme import COMPUTE_DTYPES
 from .source import (INDEX_NAME, SINGLE_NAME, TORCH_DTYPES, Shard, TensorInfo, read_config, read_header,
-                     read_tensor)
+                     read_tensor, refuse_links_out)
 
 
 @dataclass
@@ -68,6 +68,7 @@ class ConvertedCheckpoint:
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
+        refuse_links_out(self.root)  # nothing is read through a link out of OUT
         self.config = read_config(self.root)
         self.quantization_config = self.config.get("quantization_config")
         if not isinstance(self.quantization_config, dict):

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import SourceError
+from .io import files
 from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -420,6 +421,18 @@ class _Inside:
         if not any(real.is_relative_to(a) for a in self.allowed):
             raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
                               hint="copy the file into the checkpoint directory instead of linking to it")
+
+
+def refuse_links_out(root: Path) -> None:
+    """Refuse a symbolic link under ``root`` that resolves outside it (for a Hub cache snapshot, outside it and its
+    repo's ``blobs/``), naming the first; no link is followed to find them.
+
+    Raises:
+        SourceError: ``a symbolic link resolves to TARGET, outside the checkpoint directory``.
+    """
+    inside = _Inside(root)
+    for rel in files.links(root):
+        inside.check(rel, "a symbolic link")
 
 
 def read_config(root: Path) -> dict:

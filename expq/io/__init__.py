@@ -1,0 +1,1 @@
+"""Bytes on disk: how expq creates, opens, deletes, renames and locks files (``files``)."""
