@@ -187,6 +187,9 @@ class OutputDir:
         self._journal: dict = {}
         try:
             files.refuse_link(self.staging, "the staging folder", _STAGING_HINT)
+            for p in (self.journal_path, self.journal_tmp):
+                files.refuse_link(p, "the journal", "remove it: expq makes its journal itself (an interrupted run "
+                                                    "cannot then be resumed)")
             self._recover()
             self._check_out()
         except BaseException:
@@ -311,7 +314,11 @@ class OutputDir:
         if j is None:
             files.remove_tree(self.staging, _STAGING_HINT)
             files.make_dir(self.staging, _STAGING_HINT)
-            self._write_journal({"fingerprint": self.fingerprint, "phase": "writing", "files": {}})
+            try:
+                self._write_journal({"fingerprint": self.fingerprint, "phase": "writing", "files": {}})
+            except BaseException:
+                self.staging.rmdir()  # nothing to resume from
+                raise
             return {}
         return self._keep_matching(j)
 
