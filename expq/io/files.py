@@ -42,10 +42,10 @@ class LinkRefused(UsageError):
 
 
 def lstat(path: Path) -> os.stat_result | None:
-    """``os.lstat``, or None when nothing is there."""
+    """``os.lstat``, or None when nothing is there (nor can be: a part of the path is a file)."""
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
