@@ -198,10 +198,14 @@ def is_real_dir(path: Path) -> bool:
 
 
 def is_mount_point(path: Path) -> bool:
-    """``path`` (a real folder) is where a filesystem is mounted: its device differs from its parent's, or the
-    kernel's mount table names it (a bind mount of the same filesystem)."""
-    st, up = lstat(path), lstat(path.parent)
-    if st is None or up is None:
+    """``path`` (a real folder) is where a filesystem is mounted: its device differs from its parent folder's, or
+    the kernel's mount table names it (a bind mount of the same filesystem)."""
+    st = lstat(path)
+    try:
+        up = os.stat(path.parent)  # the parent as it resolves: a parent that is a link to another disk is fine
+    except OSError:
+        return False
+    if st is None:
         return False
     if st.st_dev != up.st_dev or os.path.ismount(path):
         return True
