@@ -219,7 +219,7 @@ class OutputDir:
             return
         if j is None:
             self._drop_journal()  # a journal write cut short before it was ever complete
-            if files.is_real_dir(self.staging) and not any(os.scandir(self.staging)):
+            if files.is_real_dir(self.staging) and not files.holds_anything(self.staging):
                 self.staging.rmdir()
         self.release()
 
@@ -305,8 +305,7 @@ class OutputDir:
                                  f"{_differences(j.get('fingerprint'), self.fingerprint)}); re-run it, or pass "
                                  "--overwrite to discard it", file=str(self.out))
             j = None
-        if j is None and files.is_real_dir(self.staging) and any(os.scandir(self.staging)) \
-                and files.lstat(self.journal_path) is None:
+        if j is None and files.holds_anything(self.staging) and files.lstat(self.journal_path) is None:
             raise UsageError(f"{self.staging} exists and was not left by expq; refusing to delete it",
                              file=str(self.out))
         made = files.make_dir(self.staging, _STAGING_HINT)
@@ -346,7 +345,7 @@ class OutputDir:
     def _check_exchange(self, made: bool) -> None:
         """Replacing a non-empty OUT needs an atomic exchange: refuse, before any work, where the filesystem has
         none (OUT would be missing between two renames). ``made``: the staging folder was just made (removed then)."""
-        if not (files.is_real_dir(self.out) and any(os.scandir(self.out))):
+        if not files.holds_anything(self.out):
             return
         if files.exchange_supported(self.staging):
             return
@@ -454,7 +453,7 @@ class OutputDir:
         st = os.lstat(self.staging)
         self._write_journal(self._journal, phase="swap", staged=[st.st_dev, st.st_ino])
         self._wait_for_readers()
-        replace = files.is_real_dir(self.out) and any(os.scandir(self.out))
+        replace = files.holds_anything(self.out)
         try:
             if replace:
                 self._carry_cards()

@@ -73,7 +73,7 @@ def _refused(path: Path, hint: str) -> LinkRefused:
     return LinkRefused(f"{kind} where expq did not expect one; left as it is", file=str(path), hint=hint)
 
 
-# --- opening -----------------------------------------------------------------------------------------------------------
+# --- opening ----------------------------------------------------------------------------------------------------------
 def open_read(path: Path, hint: str = "replace it with the file itself") -> int:
     """A read-only descriptor of the regular file ``path`` itself (never a link's target).
 
@@ -164,7 +164,7 @@ def open_dir(path: Path) -> int:
         raise
 
 
-# --- checks and walks --------------------------------------------------------------------------------------------------
+# --- checks and walks -------------------------------------------------------------------------------------------------
 def walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
     """Every entry under the folder ``root`` (relative POSIX path, its ``lstat``), folders before what they hold;
     a link is yielded as a link and never descended into."""
@@ -195,6 +195,14 @@ def is_real_dir(path: Path) -> bool:
     """``path`` is a folder itself (not a link to one)."""
     st = lstat(path)
     return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def holds_anything(path: Path) -> bool:
+    """``path`` is a real folder (not a link to one) with at least one entry."""
+    if not is_real_dir(path):
+        return False
+    with os.scandir(path) as it:
+        return any(True for _ in it)
 
 
 def is_mount_point(path: Path) -> bool:
@@ -230,7 +238,7 @@ def _unescape(field: bytes) -> bytes:
     return bytes(out)
 
 
-# --- deleting ----------------------------------------------------------------------------------------------------------
+# --- deleting ---------------------------------------------------------------------------------------------------------
 def remove_file(path: Path) -> bool:
     """Delete ``path`` if it is a regular file; True if it was one (or was removed meanwhile), False if nothing or
     something else (a link, a folder) is there: that is left alone."""
@@ -274,7 +282,7 @@ def make_dir(path: Path, hint: str = "") -> bool:
         raise _refused(path, hint) from None
 
 
-# --- flushing and hashing ----------------------------------------------------------------------------------------------
+# --- flushing and hashing ---------------------------------------------------------------------------------------------
 def fsync_path(path: Path) -> None:
     """Flush the file or folder ``path`` itself (a folder: its entries) to disk.
 
@@ -306,7 +314,7 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-# --- renaming ----------------------------------------------------------------------------------------------------------
+# --- renaming ---------------------------------------------------------------------------------------------------------
 def _renameat2():
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
@@ -351,7 +359,7 @@ def exchange_supported(folder: Path) -> bool:
             remove_file(p)
 
 
-# --- locks -------------------------------------------------------------------------------------------------------------
+# --- locks ------------------------------------------------------------------------------------------------------------
 def open_lock(path: Path, *, create_it: bool = True) -> int | None:
     """A read-write descriptor of the lock file ``path`` (made if missing and ``create_it``), never through a link;
     None when it is missing and not made.
