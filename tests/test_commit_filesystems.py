@@ -70,6 +70,7 @@ NO_EXCHANGE = (STRACE or "strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=
                "inject=renameat2:error=EINVAL")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _strace_works(), reason="needs strace (and ptrace) to emulate a filesystem without "
                                                  "RENAME_EXCHANGE")
 def test_without_exchange_replacing_is_refused_up_front_and_a_new_out_still_converts(reference, tmp_path):
@@ -198,6 +199,7 @@ def fsync_points(src, old_dir, tmp_path) -> int:
         shutil.rmtree(out.parent)
 
 
+@pytest.mark.slow
 def test_a_kill_at_each_step_of_the_commit_leaves_old_or_new_and_the_card(reference, tmp_path):
     """The last fsync points of a replacing conversion (the staged folders, the journal's ``swap``, the card's
     copy, the parent after the exchange) and the exchange itself: after each kill OUT is the old or the new
