@@ -84,7 +84,7 @@ def local_files(out: Path) -> list[dict]:
             raise files.LinkRefused(f"{what} in OUT; push uploads only regular files and reads or writes nothing "
                                     "through a link", file=str(out / rel), hint="replace it with the file itself")
         found.append({"path": rel, "size": st.st_size, "sha256": files.sha256_file(out / rel)})
-    return found
+    return sorted(found, key=lambda f: f["path"].split("/"))
 
 
 def file_sha256(p: Path) -> str:

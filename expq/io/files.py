@@ -6,7 +6,7 @@ link, and deletions remove regular files and real folders only (``remove_tree`` 
 link, never what it points to). Names given here are expq's own (the staging folder, journal, lock... beside OUT):
 a link at one of them is refused with ``LinkRefused``, one line naming it.
 
-The lock (``open_lock``, ``try_lock``, ``unlock``) uses Linux open-file-description byte-range locks
+The lock (``open_lock``, ``try_lock``, ``take_lock``, ``let_go``) uses Linux open-file-description byte-range locks
 (``F_OFD_SETLK``): they belong to the open file, not the process, are released by the OS when the process dies,
 and two bytes of one file give two independent locks: ``WRITER`` (one conversion into an OUT at a time) and
 ``COMMIT`` (taken shared by readers of OUT: ``verify``, ``push``; exclusive by a conversion while it swaps OUT).
@@ -128,21 +128,6 @@ def create_replacing_stale(path: Path, hint: str, mode: int = 0o644, *, flags: i
     raise _refused(path, hint)
 
 
-def write_new(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Write ``data`` into a new file at ``path`` (``create``), flushed to disk (``sync``); on error the file is
-    removed."""
-    fd = create(path)
-    try:
-        write_all(fd, data)
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        remove_file(path)
-        raise
-    os.close(fd)
-
-
 def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` at the descriptor's position."""
     mv = memoryview(data)
@@ -150,21 +135,7 @@ def write_all(fd: int, data: bytes) -> None:
         mv = mv[os.write(fd, mv):]
 
 
-def open_dir(path: Path) -> int:
-    """A descriptor of the folder ``path`` itself (``O_DIRECTORY | O_NOFOLLOW``).
-
-    Raises:
-        LinkRefused: ``path`` is a link. OSError: as ``os.open`` (NotADirectoryError...).
-    """
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _refused(path, "") from None
-        raise
-
-
-# --- checks and walks -------------------------------------------------------------------------------------------------
+# --- checks and walks ------------------------------------------------------------------------------------------------
 def walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
     """Every entry under the folder ``root`` (relative POSIX path, its ``lstat``), folders before what they hold;
     a link is yielded as a link and never descended into."""
@@ -387,11 +358,6 @@ def try_lock(fd: int, byte: int, *, exclusive: bool) -> bool:
     """Take the lock on ``byte`` of the lock file (``WRITER`` or ``COMMIT``), shared or exclusive, without waiting;
     False if another open file holds a conflicting one. Taking it again on the same descriptor converts it."""
     return _ofd(fd, byte, _F_WRLCK if exclusive else _F_RDLCK)
-
-
-def unlock(fd: int, byte: int) -> None:
-    """Release this descriptor's lock on ``byte``."""
-    _ofd(fd, byte, _F_UNLCK)
 
 
 def _ofd(fd: int, byte: int, kind: int) -> bool:
