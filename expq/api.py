@@ -28,7 +28,7 @@ from .pipeline import RunStats, run_plan
 from .plan import DEFAULT_FORMAT, DEFAULT_MAX_SHARD, Plan, make_plan
 from .source import Source, is_repo_id, resolve_source
 from .streaming import ShardStream, streamed
-from .writer import STOP, OutputDir, OutputError, ShardSet, config_json
+from .writer import STOP, OutputDir, OutputError, ShardSet, check_out_location, config_json
 
 
 @dataclass
@@ -169,6 +169,8 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
     t0 = time.perf_counter()
     check_convert(src, out, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size, stream=stream,
                   ray=ray, to_hub=to_hub)
+    if to_hub is None:
+        check_out_location(out)  # a link or a mount point: refused before anything is read
     if ray is not None:
         return _convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                device=device, revision=revision, max_shard_size=max_shard_size, overwrite=overwrite,

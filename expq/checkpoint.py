@@ -21,7 +21,7 @@ from .manifest import MANIFEST, Manifest
 from .io.index import INDEX_NAME, SINGLE_NAME, Index, read_index
 from .io.safetensors import TORCH_DTYPES, Shard, TensorInfo, read_header, read_tensor
 from .scheme import COMPUTE_DTYPES
-from .source import read_config
+from .source import read_config, refuse_links_out
 
 
 @dataclass
@@ -68,6 +68,7 @@ class ConvertedCheckpoint:
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
+        refuse_links_out(self.root)  # nothing is read through a link out of OUT
         self.config = read_config(self.root)
         self.quantization_config = self.config.get("quantization_config")
         if not isinstance(self.quantization_config, dict):

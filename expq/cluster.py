@@ -254,16 +254,30 @@ def connected(address: str):
         return
     _check_reachable(address)
     try:
-        if address == "local":
-            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        else:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        with _workers_import_this_expq():
+            if address == "local":
+                ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            else:
+                ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except Exception as e:  # noqa: BLE001 - one line
         raise ClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(e)}") from None
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _workers_import_this_expq():
+    """While inside, the working directory is the folder holding this ``expq`` package: ``ray.init`` puts the
+    driver's working directory first on every worker's import path, where a folder named ``expq`` (an OUT, say)
+    would shadow the package; from here, the workers import the driver's own expq."""
+    here = os.getcwd()
+    os.chdir(Path(__file__).resolve().parent.parent)
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 def _check_reachable(address: str) -> None:

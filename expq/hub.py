@@ -9,9 +9,11 @@ on 1.x), then a check that the remote files have the local sizes and hashes. The
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shlex
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from .errors import ExpqError, UsageError, option
 from .io.hashing import git_blob_id, sha256_file
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
+from .io import files
 from .options import check_repo_id
+from .writer import reading
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
@@ -61,18 +65,27 @@ class PushReport:
 
 
 def local_files(out: Path) -> list[dict]:
-    """Files a push uploads (relative path, size, sha256), caches / staging / temp files excluded."""
+    """Files a push uploads (relative path, size, sha256): the regular files of OUT, hidden ones (a name starting
+    with ``.``, or inside such a folder) and caches / staging / temp files excluded. Exactly these are uploaded.
+
+    Raises:
+        LinkRefused: OUT holds a symbolic link or a special file where it would be uploaded (named): push reads
+            and writes nothing through a link.
+    """
     import fnmatch
 
-    files = []
-    for p in sorted(out.rglob("*")):
-        if not p.is_file():
+    found = []
+    for rel, st in files.walk(out):
+        if rel.startswith(".") or "/." in rel or any(fnmatch.fnmatch(rel, pat) for pat in IGNORE):
             continue
-        rel = p.relative_to(out).as_posix()
-        if any(fnmatch.fnmatch(rel, pat) for pat in IGNORE) or rel.startswith(".") or "/." in rel:
+        if stat.S_ISDIR(st.st_mode):
             continue
-        files.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
-    return files
+        if not stat.S_ISREG(st.st_mode):
+            what = f"a symbolic link (to {os.readlink(out / rel)})" if stat.S_ISLNK(st.st_mode) else "a special file"
+            raise files.LinkRefused(f"{what} in OUT; push uploads only regular files and reads or writes nothing "
+                                    "through a link", file=str(out / rel), hint="replace it with the file itself")
+        found.append({"path": rel, "size": st.st_size, "sha256": sha256_file(out / rel, follow_links=False)})
+    return sorted(found, key=lambda f: f["path"].split("/"))
 
 
 INSTALL_ENV = "EXPQ_INSTALL"  # the card's install command, when push is not given one
@@ -431,12 +444,24 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
     """
     out = Path(out)
     check_repo_id(repo_id)
+    with reading(out):  # a conversion into OUT does not swap it during the push
+        return _push(out, repo_id, private=private, revision=revision, create_pr=create_pr,
+                     commit_message=commit_message, token=token, skip_verify=skip_verify, dry_run=dry_run,
+                     device=device, install=install, base_model=base_model, license=license)
+
+
+def _push(out: Path, repo_id: str, *, private: bool, revision: str | None, create_pr: bool,
+          commit_message: str | None, token: str | None, skip_verify: bool, dry_run: bool, device: str,
+          install: str | None, base_model: str | None, license: str | None) -> PushReport:
+    """``push``'s steps: list OUT's files (refusing links), open and verify the checkpoint, make the card; then
+    put the card in place and upload exactly the listed files."""
+    listed = local_files(out)
     ck = open_checkpoint(out)  # raises if OUT is not a converted checkpoint
     report = None if skip_verify else _verify_before_push(out, device)
     card = model_card(out, repo_id, report, install=install, base_model=base_model, license=license)
-    files = with_card(local_files(out), card)
-    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=files,
-                     bytes=sum(f["size"] for f in files), verified=None if report is None else report.ok,
+    uploads = with_card(listed, card)
+    res = PushReport(repo_id=repo_id, revision=revision, dry_run=dry_run, files=uploads,
+                     bytes=sum(f["size"] for f in uploads), verified=None if report is None else report.ok,
                      verify_verdict=None if report is None else report.verdict, card=card,
                      warnings=card_warnings(ck) + _publishing_warnings(ck.manifest, install, base_model, license))
     if dry_run:
@@ -479,27 +504,35 @@ def with_card(files: list[dict], card: str) -> list[dict]:
 
 @contextlib.contextmanager
 def card_in_place(path: Path, card: str):
-    """Put the card at ``path`` (OUT/README.md) for the upload, each change a single rename; if the block raises
-    (or is interrupted), put back what was there before (the file's bytes, or its link), or nothing."""
+    """Put the card at ``path`` (OUT/README.md) for the upload, each change a single rename of a file made here
+    (never written through a link: a link at ``path`` is refused); if the block raises (or is interrupted), put
+    back the bytes that were there before, or nothing.
+
+    Raises:
+        LinkRefused: ``path``, or the temporary ``.README.md.expq-card`` beside it, is a link or a special file.
+    """
     tmp = path.with_name(f".{path.name}.expq-card")
-    old_link = os.readlink(path) if path.is_symlink() else None
-    old = path.read_bytes() if old_link is None and path.is_file() else None
-    tmp.unlink(missing_ok=True)
-    tmp.write_text(card)
-    os.replace(tmp, path)
+    old = files.read_bytes(path) if files.lstat(path) is not None else None
+    _put(tmp, path, card.encode())
     try:
         yield
     except BaseException:
-        tmp.unlink(missing_ok=True)
-        if old_link is not None:
-            os.symlink(old_link, tmp)
-        elif old is not None:
-            tmp.write_bytes(old)
-        if old_link is not None or old is not None:
-            os.replace(tmp, path)
+        if old is not None:
+            _put(tmp, path, old)
         else:
-            path.unlink(missing_ok=True)
+            files.remove_file(path)
         raise
+
+
+def _put(tmp: Path, path: Path, data: bytes) -> None:
+    """``data`` into a new file ``tmp``, flushed, renamed over ``path`` (the name itself, never a link's target)."""
+    fd = files.create_replacing_stale(tmp, "remove it: push makes it itself")
+    try:
+        files.write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -545,16 +578,17 @@ def _upload(out: Path, repo_id: str, res: PushReport, *, private: bool, revision
     if revision and revision != "main" and not create_pr:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     major = int(huggingface_hub.__version__.split(".")[0])
+    exactly = [glob.escape(f["path"]) for f in res.files]  # the listing, and nothing else (no dotfiles, no links)
     if major >= 2 or create_pr or not hasattr(api, "upload_large_folder"):
         info = api.upload_folder(repo_id=repo_id, folder_path=out, repo_type="model", revision=revision,
                                  create_pr=create_pr or None, commit_message=commit_message,
-                                 ignore_patterns=IGNORE)
+                                 allow_patterns=exactly)
         res.commit_url = getattr(info, "commit_url", None)
         res.pr_url = getattr(info, "pr_url", None)
         remote_rev = getattr(info, "pr_revision", None) or revision
     else:  # huggingface_hub 1.x: the resumable multi-commit uploader
         api.upload_large_folder(repo_id=repo_id, folder_path=out, repo_type="model", revision=revision,
-                                private=private, ignore_patterns=IGNORE)
+                                private=private, allow_patterns=exactly)
         remote_rev = revision
     res.revision = remote_rev
     compare_remote(api, out, repo_id, remote_rev, res)
@@ -581,7 +615,7 @@ def compare_remote(api, out: Path, repo_id: str, revision: str | None, res: Push
             sha = lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)
             if sha != f["sha256"]:
                 bad.append(f"{f['path']}: sha256 on the Hub differs")
-        elif getattr(r, "blob_id", None) and r.blob_id != git_blob_id(out / f["path"]):
+        elif getattr(r, "blob_id", None) and r.blob_id != git_blob_id(out / f["path"], follow_links=False):
             bad.append(f"{f['path']}: content on the Hub differs")
     res.checked_remote = len(res.files) - len(bad)
     if bad:

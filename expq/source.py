@@ -16,6 +16,7 @@ import torch
 
 from .decoders.base import Decoder, LogicalTensor
 from .errors import SourceError
+from .io import files
 from .io.regular import check_regular, read_regular
 from .io.index import INDEX_NAME, Index, check_index, is_weight_file, read_index, weight_files
 from .io.safetensors import Shard, TensorInfo, json_kind, printable_name, read_header, read_tensor
@@ -158,6 +159,18 @@ class _Inside:
         if not any(real.is_relative_to(a) for a in self.allowed):
             raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
                               hint="copy the file into the checkpoint directory instead of linking to it")
+
+
+def refuse_links_out(root: Path) -> None:
+    """Refuse a symbolic link under ``root`` that resolves outside it (for a Hub cache snapshot, outside it and its
+    repo's ``blobs/``), naming the first; no link is followed to find them.
+
+    Raises:
+        SourceError: ``a symbolic link resolves to TARGET, outside the checkpoint directory``.
+    """
+    inside = _Inside(root)
+    for rel in files.links(root):
+        inside.check(rel, "a symbolic link")
 
 
 def read_config(root: Path) -> dict:

@@ -24,8 +24,8 @@ import errno
 import functools
 import os
 import re
-import shutil
 import signal
+import stat
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,7 +33,8 @@ from typing import Callable, Iterator
 from .errors import ExpqError, HubError, Interrupted, UsageError
 from .hubsource import StreamListing, fetch_listing, hub_failure, read_remote_header
 from .source import RemoteShards, Source, is_repo_id, open_source
-from .writer import STOP, OutputError, _acquire
+from .io import files
+from .writer import STOP, OutputError
 
 STREAM = ".expq-stream"
 LOCK = ".expq-lock"  # inside the stream folder: one run at a time uses it
@@ -105,34 +106,47 @@ def streamed(src: str, out: str | Path, *, revision: str | None = None, token: s
     stream.remove()
 
 
+_FOLDER_HINT = ("expq downloads into this folder and deletes what it downloaded, so it must be a real folder: remove "
+                "the link (to stream onto another disk, give an OUT on that disk)")
+
+
 def _take(folder: Path, out: Path) -> int:
-    """Create the stream folder if needed and lock it (``writer``'s lock: released by the OS if the process dies).
+    """Create the stream folder if needed and lock it (``io.files.take_lock``: released by the OS if the process
+    dies); a link there, or inside it, is refused (expq downloads into it and deletes from it).
 
     Raises:
-        UsageError: another run holds it.
+        UsageError: another run holds it. LinkRefused: the folder, or an entry in it, is a link or a special file.
     """
+    files.refuse_link(folder, "the stream folder", _FOLDER_HINT)
     for _ in range(10):
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        files.make_dir(folder, _FOLDER_HINT)
         try:
-            return _acquire(folder / LOCK, out)
+            fd = files.take_lock(folder / LOCK, out)
         except FileNotFoundError:  # a run that just finished removed the folder: make it again
             continue
+        odd = files.not_regular(folder)
+        if odd:
+            files.let_go(fd, folder / LOCK)
+            raise files.LinkRefused(f"the stream folder holds {odd[0]}, a link or a special file expq did not make; "
+                                    "expq never downloads, reads or deletes through a link", file=str(folder),
+                                    hint=_FOLDER_HINT)
+        return fd
     raise UsageError("cannot lock the stream folder (it keeps being removed)", file=str(folder))
 
 
 def _drop_other_files(folder: Path, listing: StreamListing) -> None:
     """Remove the files (not hidden) of the stream folder that this revision does not have: side files of a run of
-    another revision must not be copied into OUT."""
+    another revision must not be copied into OUT. (``_take`` refused links in it: nothing here follows one.)"""
     wanted = set(listing.weights) | set(listing.side)
-    for p in sorted(folder.rglob("*"), reverse=True):
-        rel = p.relative_to(folder).as_posix()
+    for rel, st in sorted(files.walk(folder), reverse=True):
         if rel.startswith(".") or "/." in rel:
             continue
-        if p.is_dir():
+        if stat.S_ISDIR(st.st_mode):
             with contextlib.suppress(OSError):
-                p.rmdir()  # only if empty
+                (folder / rel).rmdir()  # only if empty
         elif rel not in wanted:
-            p.unlink()
+            files.remove_file(folder / rel)
 
 
 class _Cancelled(Exception):
@@ -194,18 +208,20 @@ class ShardStream:
         self.downloaded: list[str] = []
 
     # --- SourceFeeder ------------------------------------------------------------------------------------------------
-    def start(self, files: list[str]) -> None:
+    def start(self, wanted: list[str]) -> None:
         """Fetch ``files`` (shard paths, in the order the pipeline first reads them). Shards of the folder that are
         not among them (an earlier run converted them) and partial downloads are removed first."""
-        unknown = [f for f in files if f not in self.listing.weights]
+        unknown = [f for f in wanted if f not in self.listing.weights]
         if unknown:
             raise RuntimeError(f"internal: {unknown[0]} is not a weight file of {self.listing.repo}")
-        for rel in sorted(set(self.listing.weights) - set(files)):
-            (self.folder / rel).unlink(missing_ok=True)
-        for p in (self.folder / HF_DOWNLOADS).rglob("*.incomplete"):
-            p.unlink(missing_ok=True)
+        for rel in sorted(set(self.listing.weights) - set(wanted)):
+            files.remove_file(self.folder / rel)
+        partials = self.folder / HF_DOWNLOADS
+        for rel in files.regular_files(partials) if files.is_real_dir(partials) else []:
+            if rel.endswith(".incomplete"):
+                files.remove_file(partials / rel)
         with self._cv:
-            self._queue = list(dict.fromkeys(files))
+            self._queue = list(dict.fromkeys(wanted))
             self._state = {f: "queued" for f in self._queue}
             self._sample()
         self._thread = threading.Thread(target=self._run, name="expq-stream", daemon=True)
@@ -244,7 +260,7 @@ class ShardStream:
         """No job reads ``file`` any more: delete it (the next download may start)."""
         with self._cv:
             self._sample()  # the folder's largest just before a deletion
-            (self.folder / file).unlink(missing_ok=True)
+            files.remove_file(self.folder / file)
             self._state[file] = "done"
             self._cv.notify_all()
 
@@ -314,14 +330,15 @@ class ShardStream:
                 is deleted). OutputError: the folder cannot be written.
         """
         path = self.folder / rel
-        if path.is_file():
+        st = files.lstat(path)
+        if st is not None and stat.S_ISREG(st.st_mode):
             if self._check(rel) is None:
                 return True
-            path.unlink()
+            files.remove_file(path)
         self._download(rel)
         problem = self._check(rel)
         if problem is not None:
-            path.unlink(missing_ok=True)
+            files.remove_file(path)
             raise HubError(problem, repo=self.listing.repo, revision=self.listing.revision, file=rel,
                            hint="re-run the same command to download it again; if it persists, the repo's copy "
                                 "is corrupt")
@@ -363,14 +380,11 @@ class ShardStream:
 
 def _let_go(folder: Path, lock_fd: int | None, *, delete: bool) -> None:
     """Give up the stream folder's lock, deleting the folder (``delete``) or only the lock file."""
-    try:
-        if delete:
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            (folder / LOCK).unlink(missing_ok=True)
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
+    if delete:
+        with contextlib.suppress(OSError, UsageError):
+            files.remove_tree(folder)
+    if lock_fd is not None:
+        files.let_go(lock_fd, folder / LOCK)
 
 
 _LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}

@@ -34,6 +34,7 @@ from .io.index import INDEX_NAME
 from .kernels import select_backend
 from .manifest import MANIFEST, PUSH_WRITES, manifest_intact
 from .options import check_verify
+from .writer import reading
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
 # Kernel vs the fp32 reference on the same (dequantized) weights: the only differences are roundings. In bf16 each of
@@ -181,17 +182,19 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
         experts).
 
     Raises:
-        UsageError: bad device or tokens. UnreadableInputError: ``out`` (or the source) cannot be read at all.
+        UsageError: bad device or tokens; the lock file beside OUT is a link. UnreadableInputError: ``out`` (or the
+            source) cannot be read at all, or holds a link that leads out of it (named).
     """
     t0 = time.perf_counter()
     check_verify(device=device, tokens=tokens)
     dev = parse_devices(device)[0]
-    ck, plan = _open(out, source, revision, token)
-    found = Findings()
-    checks = _structure_checks(ck, found.problems)
-    if plan is not None:
-        checks.append(_check_passthrough(ck, plan, found.problems))
-    layers = _layer_checks(ck, plan, found, dev, tokens, seed)
+    with reading(out):  # a conversion into OUT does not swap it while it is read
+        ck, plan = _open(out, source, revision, token)
+        found = Findings()
+        checks = _structure_checks(ck, found.problems)
+        if plan is not None:
+            checks.append(_check_passthrough(ck, plan, found.problems))
+        layers = _layer_checks(ck, plan, found, dev, tokens, seed)
     backend = select_backend(dev)
     checks += _layer_summary_checks(ck, layers, found, plan is not None, backend)
     return _report(ck, out, source, checks, layers, found.problems, dev, backend, tokens, time.perf_counter() - t0)

@@ -1,21 +1,27 @@
 """Laying down the output: a staging folder beside OUT, a journal that makes a killed run resumable, positional
 shard writes, and one commit point.
 
-* **Staging and journal.** The new checkpoint is built in ``.<OUT>.expq-partial/`` next to OUT. The journal
-  ``.<OUT>.expq-journal.json`` (also next to OUT) records the run's settings fingerprint and, for every output file
-  finished and fsync'd, its size and sha256. A re-run with the same settings keeps the files whose content still
-  matches (checked by hash, never by name) and redoes the rest; different settings are refused unless
-  ``--overwrite``.
+* **Names beside OUT.** ``.<OUT>.expq-partial/`` (staging), ``.<OUT>.expq-journal.json`` (and its ``.tmp``) and
+  ``.<OUT>.expq-lock``, in OUT's parent. None is ever followed when it is a symbolic link: it is refused, naming it
+  (``io.files``). OUT itself may not be a link or a mount point (the commit renames a folder onto it).
+* **Staging and journal.** The new checkpoint is built in the staging folder. The journal records the run's
+  settings fingerprint and, for every output file finished and fsync'd, its size and sha256. A re-run with the same
+  settings keeps the files whose content still matches (checked by hash, never by name) and redoes the rest;
+  different settings are refused unless ``--overwrite``.
 * **One commit point.** When every file is written and fsync'd (and the staging folder too), the staging folder is
   swapped in with one rename: onto a missing or empty OUT, or, replacing an earlier expq output, by an atomic
-  exchange of the two directories (``renameat2(RENAME_EXCHANGE)``); the old checkpoint is then deleted. At every
-  instant OUT holds the complete old checkpoint or the complete new one. The journal's phase lets the next start
-  finish a commit a kill interrupted. Where the filesystem has no exchange, OUT is first moved aside under a name the
-  journal records, so the next start rolls back or forward.
-* **Lock.** ``.<OUT>.expq-lock`` next to OUT holds an exclusive ``flock`` (released by the OS when the process dies;
-  re-checked against the path's inode after it is taken, so deleting it at the end never lets two runs in).
-  ``filelock`` is not used: its lock file cannot be deleted safely at the end, and a lock file beside every
-  converted model would be litter.
+  exchange of the two directories (``renameat2(RENAME_EXCHANGE)``; a filesystem without it is refused before the
+  conversion starts, as OUT would be missing for a moment); the old checkpoint is then deleted. A model card in OUT
+  that is not the one the old checkpoint was converted with (``PUSH_WRITES``: a push or a user wrote it) is copied
+  into the staging folder just before the exchange, so it is carried across. At every instant OUT holds the complete
+  old checkpoint or the complete new one. The journal records the staged folder's inode, so the next start tells
+  whether a killed commit happened (OUT is that folder: the old one left under the staging name is deleted) or not
+  (the staging folder is resumed).
+* **Lock.** ``.<OUT>.expq-lock`` holds two locks (``io.files``): ``WRITER``, exclusive, for the whole run (one
+  conversion per OUT; released by the OS when the process dies; re-checked against the path's inode after it is
+  taken, so deleting it at the end never lets two runs in), and ``COMMIT``, exclusive while OUT is swapped and the
+  old checkpoint deleted, shared by readers of OUT (``reading``: verify, push), so that no reader sees OUT change
+  under it. The last one out deletes the file. ``filelock`` is not used: its lock file cannot be deleted safely.
 * **Interrupts.** ``STOP`` is set by convert's signal handlers; workers finish the tensor in hand and stop; files not
   finished are removed; the journal stays consistent.
 
@@ -26,9 +32,9 @@ from the page cache), starts the disk writing the hashed ranges (``sync_file_ran
 tensor is written and its fsync (run at once, in its own thread) has returned, records it in the journal.
 
 Fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into a
-shard), ``rename`` (the commit's rename or exchange, and the moves of the fallback) or ``fsync`` (any file or folder
-flushed) of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or
-``stall`` it there until interrupted.
+shard), ``rename`` (the commit's rename or exchange) or ``fsync`` (any file or folder flushed) of this process
+fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or ``stall`` it there until
+interrupted.
 """
 
 from __future__ import annotations
@@ -36,22 +42,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import hashlib
 import heapq
 import json
 import os
 import queue
-import shutil
 import signal
+import stat
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from .errors import ExpqError, UsageError
-from .io.hashing import sha256_file
+from .errors import ExpqError, Interrupted, UsageError
+from .io import files
+from .io.hashing import sha256_file as _sha256_any
 from .io.safetensors import encode_header
 from .manifest import MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, Manifest, manifest_intact
 from .plan import OutTensor, Plan
@@ -60,9 +67,14 @@ from .source import read_config
 PARTIAL = ".expq-partial"
 JOURNAL = ".expq-journal.json"
 LOCK = ".expq-lock"
-OLD = ".expq-old"
 FAULT_ENV = "EXPQ_FAULT"
 STOP = threading.Event()  # set when the run is interrupted (signals): workers and stalls stop
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file in OUT or its staging folder, never read through a link (``io.hashing``)."""
+    return _sha256_any(path, follow_links=False)
+
+
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC  # an output file, never via a link
 
 
 class OutputError(ExpqError):
@@ -103,18 +115,14 @@ _faults = _Faults(os.environ.get(FAULT_ENV, ""))
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file or a directory (its entries) to disk.
+    """Flush a file or a directory (its entries) to disk (``io.files.fsync_path``; the ``fsync`` fault point).
 
     Raises:
         OutputError: the flush failed (EIO, ENOSPC...), naming ``path``.
     """
     with naming(path, "cannot flush to disk"):
         _faults.hit("fsync")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        files.fsync_path(path)
 
 
 @contextlib.contextmanager
@@ -126,25 +134,27 @@ def naming(path: Path | str, what: str = "cannot write"):
         raise OutputError(f"{what}: {e.strerror or e}", file=str(path)) from None
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    _faults.hit("rename")
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    if fn(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+def beside(out: Path, suffix: str) -> Path:
+    """The name ``.<OUT-name><suffix>`` beside OUT, where expq keeps its staging folder, journal and lock."""
+    return out.parent / f".{out.name}{suffix}"
 
 
-def _rename(a: Path, b: Path) -> None:
-    _faults.hit("rename")
-    os.rename(a, b)
+def check_out_location(out: str | Path) -> None:
+    """Refuse an OUT the commit cannot rename a folder onto: a symbolic link (the rename would replace the link, not
+    what it points to) or a mount point (a rename cannot cross filesystems; the staging folder is in OUT's parent).
+
+    Raises:
+        UsageError: naming OUT and saying what to give instead.
+    """
+    p = Path(out).expanduser().absolute()
+    if os.path.islink(p):
+        raise UsageError(f"OUT is a symbolic link (to {os.readlink(p)}); expq replaces OUT by renaming a folder onto "
+                         "it, which would replace the link", file=str(out),
+                         hint=f"give the folder it points to as OUT: {os.path.realpath(p)}")
+    if files.is_real_dir(p) and files.is_mount_point(p):
+        raise UsageError("OUT is a mount point (another filesystem than its parent's); expq builds the new checkpoint "
+                         "beside OUT and renames it into place, which cannot cross filesystems", file=str(out),
+                         hint=f"convert into a folder inside it, e.g. {p / 'model'}")
 
 
 class OutputDir:
@@ -158,9 +168,9 @@ class OutputDir:
         src_root: the source directory, which OUT may not be, contain, or sit inside.
 
     Raises:
-        UsageError: OUT is a file, holds files expq did not write, holds an expq output (or a partial run) with other
-            settings without ``overwrite`` (the message names what differs), overlaps the source, or another
-            conversion is writing it.
+        UsageError: OUT is a file, a symbolic link or a mount point, holds anything expq did not write, holds an expq
+            output (or a partial run) with other settings without ``overwrite`` (the message names what differs),
+            overlaps the source, or another conversion is writing it; one of expq's names beside OUT is a link.
     """
 
     def __init__(self, out: str | Path, *, fingerprint: dict, overwrite: bool = False, src_root: Path | None = None):
@@ -168,17 +178,16 @@ class OutputDir:
         self.fingerprint = fingerprint
         self.overwrite = overwrite
         _check_location(self.out, src_root, out)
-        parent, name = self.out.parent, self.out.name
-        self.staging = parent / f".{name}{PARTIAL}"
-        self.journal_path = parent / f".{name}{JOURNAL}"
-        self.lock_path = parent / f".{name}{LOCK}"
-        self.old_path = parent / f".{name}{OLD}"
+        check_out_location(self.out)
+        parent = self.out.parent
+        self.staging = beside(self.out, PARTIAL)
+        self.journal_path = beside(self.out, JOURNAL)
+        self.journal_tmp = beside(self.out, JOURNAL + ".tmp")
+        self.lock_path = beside(self.out, LOCK)
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _acquire(self.lock_path, self.out)
+            self._lock_fd = files.take_lock(self.lock_path, self.out)
         except OSError as e:
-            if isinstance(e, ExpqError):
-                raise
             raise UsageError(f"cannot write beside OUT in {parent} ({e.strerror or e}): expq keeps its lock, journal "
                              "and partial output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
@@ -186,6 +195,10 @@ class OutputDir:
         self.kept: dict[str, dict] = {}
         self._journal: dict = {}
         try:
+            files.refuse_link(self.staging, "the staging folder", _STAGING_HINT)
+            for p in (self.journal_path, self.journal_tmp):
+                files.refuse_link(p, "the journal", "remove it: expq makes its journal itself (an interrupted run "
+                                                    "cannot then be resumed)")
             self._recover()
             self._check_out()
         except BaseException:
@@ -197,8 +210,9 @@ class OutputDir:
         matches the journal) or start afresh.
 
         Raises:
-            UsageError: a partial run with other settings waits (without ``overwrite``), or the staging folder
-                holds files expq did not write.
+            UsageError: a partial run with other settings waits (without ``overwrite``); the staging folder holds
+                files expq did not write, or a link; OUT must be replaced and its filesystem cannot swap two
+                folders atomically.
         """
         try:
             self.kept = self._start()
@@ -214,39 +228,38 @@ class OutputDir:
             return
         if j is None:
             self._drop_journal()  # a journal write cut short before it was ever complete
-            if self.staging.is_dir() and not any(self.staging.iterdir()):
+            if files.is_real_dir(self.staging) and not files.holds_anything(self.staging):
                 self.staging.rmdir()
         self.release()
 
     # --- start: recover an interrupted commit, check OUT, resume ---------------------------------------------------
     def _recover(self) -> None:
-        """Finish (or undo) a commit that a kill interrupted, from the journal's phase."""
+        """Finish a commit that a kill interrupted, from the journal: if OUT is the folder that was staged, the
+        commit happened (delete the old checkpoint left under the staging name, and the journal); if not, it did not,
+        and the staging folder is still the new checkpoint, to resume."""
         j = self._read_journal()
-        if j is None:
+        if j is None or j.get("phase") != "swap":
             return
-        phase = j.get("phase")
-        if phase == "moved-old" and not self.out.exists() and self.old_path.is_dir():
-            os.rename(self.old_path, self.out)  # roll back: the old checkpoint goes back in place
-            self._write_journal(j, phase="writing")
-        elif phase in ("swap", "swapped") and _manifest_fingerprint(self.out) == j.get("fingerprint"):
-            for p in (self.staging, self.old_path):  # the new one is in OUT: drop what the swap left
-                shutil.rmtree(p, ignore_errors=True)
+        st = files.lstat(self.out)
+        if st is not None and [st.st_dev, st.st_ino] == j.get("staged"):
+            files.remove_tree(self.staging, _STAGING_HINT)
             self._drop_journal()
-        elif phase in ("swap", "swapped", "moved-old"):
-            self._write_journal(j, phase="writing")  # not swapped: the staging folder is still the new one
-        if self.old_path.exists() and self.out.is_dir() and self._read_journal() is None:
-            shutil.rmtree(self.old_path, ignore_errors=True)
+        else:
+            self._write_journal(j, phase="writing")
 
     def _check_out(self) -> None:
-        if self.out.exists() and not self.out.is_dir():
+        """OUT is missing, an empty folder, or an expq output holding nothing expq did not write (the model card a
+        push writes excepted), with the same settings unless ``overwrite``."""
+        st = files.lstat(self.out)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UsageError("OUT exists and is not a directory", file=str(self.out))
-        entries = sorted(p.name for p in self.out.iterdir()) if self.out.is_dir() else []
+        entries = sorted(os.listdir(self.out)) if st is not None else []
         if not entries:
             return
         if MANIFEST not in entries:
             raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
                              "delete its contents", file=str(self.out))
-        foreign = self._foreign_files()
+        foreign = self._foreign_entries()
         if foreign:
             raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
                              "replace it, which would delete them: move them out of OUT first", file=str(self.out))
@@ -256,17 +269,24 @@ class OutputDir:
                              "; pass --overwrite to replace it", file=str(self.out))
 
     def _present(self) -> set[str]:
-        return {p.relative_to(self.out).as_posix() for p in self.out.rglob("*") if p.is_file()} - {MANIFEST}
+        return set(files.regular_files(self.out)) - {MANIFEST}
 
-    def _foreign_files(self) -> list[str]:
-        """Files in an expq OUT that its expq.json does not list (the model card a push writes excepted)."""
+    def _foreign_entries(self) -> list[str]:
+        """What an expq OUT holds that its expq.json does not list (the model card a push writes excepted): files,
+        links and special files (shown with what they are), and folders holding no file (shown ending in ``/``)."""
         try:
             listed = {f.name for f in Manifest.load(self.out).files}
         except ExpqError:
             return []
         if not listed:
             return []
-        return sorted(self._present() - listed - set(PUSH_WRITES))
+        entries = list(files.walk(self.out))
+        odd = [f"{rel} (a symbolic link)" if stat.S_ISLNK(st.st_mode) else f"{rel} (not a regular file)"
+               for rel, st in entries if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))]
+        regular = {rel for rel, st in entries if stat.S_ISREG(st.st_mode)}
+        empty = [f"{rel}/" for rel, st in entries
+                 if stat.S_ISDIR(st.st_mode) and not any(f.startswith(rel + "/") for f in regular)]
+        return sorted(regular - {MANIFEST} - listed - set(PUSH_WRITES)) + sorted(odd) + sorted(empty)
 
     def up_to_date(self) -> bool:
         """Whether OUT already holds exactly this conversion: same settings, and every file the manifest lists is
@@ -283,7 +303,7 @@ class OutputDir:
         listed = {f.name: f for f in m.files if f.name not in PUSH_WRITES}
         if not listed or self._present() - set(PUSH_WRITES) != set(listed):
             return False
-        return all((self.out / n).stat().st_size == f.size and sha256_file(self.out / n) == f.sha256
+        return all(os.lstat(self.out / n).st_size == f.size and sha256_file(self.out / n) == f.sha256
                    for n, f in listed.items())
 
     def _start(self) -> dict[str, dict]:
@@ -296,63 +316,97 @@ class OutputDir:
                                  f"{_differences(j.get('fingerprint'), self.fingerprint)}); re-run it, or pass "
                                  "--overwrite to discard it", file=str(self.out))
             j = None
+        if j is None and files.holds_anything(self.staging) and files.lstat(self.journal_path) is None:
+            raise UsageError(f"{self.staging} exists and was not left by expq; refusing to delete it",
+                             file=str(self.out))
+        with naming(self.staging, "cannot make the staging folder"):
+            made = files.make_dir(self.staging, _STAGING_HINT)
+        self._check_exchange(made)
         if j is None:
-            if self.staging.exists() and any(self.staging.iterdir()) and not self.journal_path.exists():
-                raise UsageError(f"{self.staging} exists and was not left by expq; refusing to delete it",
-                                 file=str(self.out))
-            shutil.rmtree(self.staging, ignore_errors=True)
+            files.remove_tree(self.staging, _STAGING_HINT)
             with naming(self.staging, "cannot make the staging folder"):
-                self.staging.mkdir()
-            j = {"fingerprint": self.fingerprint, "phase": "writing", "files": {}}
-            self._write_journal(j)
+                files.make_dir(self.staging, _STAGING_HINT)
+            try:
+                self._write_journal({"fingerprint": self.fingerprint, "phase": "writing", "files": {}})
+            except BaseException:
+                self.staging.rmdir()  # nothing to resume from
+                raise
             return {}
+        return self._keep_matching(j)
+
+    def _keep_matching(self, j: dict) -> dict[str, dict]:
+        """Keep the staged files whose size and sha256 match the journal; delete the other regular files.
+
+        Raises:
+            LinkRefused: the staging folder holds a link or a special file (expq makes neither)."""
+        odd = files.not_regular(self.staging)
+        if odd:
+            raise files.LinkRefused(f"the staging folder holds {odd[0]}, which expq did not make (a link or a "
+                                    "special file); expq never writes or deletes through a link",
+                                    file=str(self.staging), hint=_STAGING_HINT)
         kept = {}
-        self.staging.mkdir(exist_ok=True)
-        for p in list(self.staging.rglob("*")):
-            if not p.is_file():
-                continue
-            rel = p.relative_to(self.staging).as_posix()
+        for rel in files.regular_files(self.staging):
             rec = j["files"].get(rel)
-            if rec and p.stat().st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
+            p = self.staging / rel
+            if rec and os.lstat(p).st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
                 kept[rel] = rec
             else:
-                p.unlink()  # unfinished, or changed since: redone
+                files.remove_file(p)  # unfinished, or changed since: redone
         self._write_journal(j, files=kept)
         return kept
+
+    def _check_exchange(self, made: bool) -> None:
+        """Replacing a non-empty OUT needs an atomic exchange: refuse, before any work, where the filesystem has
+        none (OUT would be missing between two renames). ``made``: the staging folder was just made (removed then)."""
+        if not files.holds_anything(self.out):
+            return
+        if files.exchange_supported(self.staging):
+            return
+        if made:
+            self.staging.rmdir()
+        raise UsageError("this filesystem cannot swap two folders atomically (no renameat2 RENAME_EXCHANGE: NFS, "
+                         "SMB and many FUSE mounts), so OUT cannot be replaced without a moment where it is missing",
+                         file=str(self.out), hint="remove OUT yourself first, or convert into a new folder")
 
     # --- journal ---------------------------------------------------------------------------------------------------
     def _read_journal(self) -> dict | None:
         try:
-            j = json.loads(self.journal_path.read_text())
+            j = json.loads(files.read_bytes(self.journal_path))
         except FileNotFoundError:
             return None
+        except files.LinkRefused:
+            raise files.LinkRefused(f"the journal {self.journal_path.name} is a symbolic link or not a regular file; "
+                                    "expq never reads or writes through a link", file=str(self.journal_path),
+                                    hint="remove it (an interrupted run cannot then be resumed)") from None
         except (OSError, ValueError):
             raise UsageError("the journal of an earlier conversion is unreadable; remove it to start afresh",
                              file=str(self.journal_path)) from None
         return j if isinstance(j, dict) and isinstance(j.get("files"), dict) else None
 
     def _write_journal(self, j: dict, **changes) -> None:
+        """Write the journal whole: into a new temporary file (never a link's target), fsync'd, renamed over it."""
         j = {**j, **changes, "pid": os.getpid()}
-        tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
-        with naming(tmp, "cannot write the journal"):
-            with open(tmp, "w") as f:
-                json.dump(j, f)
-                f.flush()
+        with naming(self.journal_tmp, "cannot write the journal"):
+            fd = files.create_replacing_stale(self.journal_tmp, "remove it: expq makes its journal itself")
+            try:
+                files.write_all(fd, json.dumps(j).encode())
                 _faults.hit("fsync")
-                os.fsync(f.fileno())
-            os.replace(tmp, self.journal_path)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self.journal_tmp, self.journal_path)
         self._journal = j
 
     def _drop_journal(self) -> None:
-        for p in (self.journal_path, self.journal_path.with_name(self.journal_path.name + ".tmp")):
-            p.unlink(missing_ok=True)
+        for p in (self.journal_path, self.journal_tmp):
+            files.remove_file(p)
 
     def record(self, name: str, jobs: dict | None = None, sha256: str | None = None) -> None:
         """A staged file is complete and fsync'd: record its size and sha256 (a re-run keeps it), and the row
         findings of the jobs finished so far (``jobs``: job index -> dict). ``sha256``: the file's hash when the
         caller computed it as it wrote the file (else it is read back here)."""
         p = self.staging / name
-        rec = {"size": p.stat().st_size, "sha256": sha256 or sha256_file(p)}
+        rec = {"size": os.lstat(p).st_size, "sha256": sha256 or sha256_file(p)}
         with self._journal_lock:
             j = self._journal
             merged = {**j.get("jobs", {}), **{str(k): v for k, v in (jobs or {}).items()}}
@@ -370,28 +424,31 @@ class OutputDir:
 
     # --- files -----------------------------------------------------------------------------------------------------
     def path(self, name: str) -> Path:
-        """The staging path of an output file (its final name, relative to OUT)."""
+        """The staging path of an output file (its final name, relative to OUT); the folders its name has are made
+        in the staging folder (a link there is refused)."""
         p = self.staging / name
         with naming(p.parent, "cannot make the folder"):
-            p.parent.mkdir(parents=True, exist_ok=True)
+            for sub in reversed(Path(name).parents[:-1]):
+                files.make_dir(self.staging / sub, _STAGING_HINT)
         return p
 
     def write_text(self, name: str, text: str) -> None:
-        """Write and fsync a small output file.
+        """Write and fsync a small output file (created here, never through a link).
 
         Raises:
             OutputError: the write or flush failed (disk full...), naming the file.
         """
         path = self.path(name)
         with naming(path):
-            with open(path, "w") as f:
+            with os.fdopen(os.open(path, _O_NEW, 0o644), "w") as f:
                 f.write(text)
                 f.flush()
                 _faults.hit("fsync")
                 os.fsync(f.fileno())
 
     def copy_file(self, src: Path, name: str) -> None:
-        """Copy a side file (its bytes, not a link; in chunks, holes kept: ``io.regular.copy_regular``), fsync'd.
+        """Copy a side file (its bytes, not a link; in chunks, holes kept: ``io.regular.copy_regular``, which
+        creates the copy without following a link), fsync'd.
 
         Raises:
             SourceError: ``src`` is not a regular file or cannot be read, naming it. OutputError: the copy cannot
@@ -406,40 +463,47 @@ class OutputDir:
         copy_regular(src, dst, "side file", SourceError, OutputError)
 
     def staged_files(self) -> list[str]:
-        return sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
+        return files.regular_files(self.staging)
 
     # --- commit ----------------------------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Swap the complete, fsync'd staging folder in as OUT with one rename (see the module docstring)."""
+        """Swap the complete, fsync'd staging folder in as OUT with one rename (see the module docstring): record
+        the staged folder's inode (the next start tells from it whether a killed commit happened), wait for readers of
+        OUT, copy the model card across, rename or exchange, then delete the old checkpoint.
+
+        Raises:
+            OutputError: the rename failed (nothing changed: the same command finishes), or, after it, deleting the
+                old checkpoint failed (OUT is the new one; the next run into OUT finishes the cleanup).
+            Interrupted: a signal came while waiting for a reader of OUT (the same command finishes).
+        """
         for d in sorted({(self.staging / n).parent for n in self.staged_files()} | {self.staging}, reverse=True):
             fsync_path(d)
-        self._write_journal(self._journal, phase="swap")
-        parent = self.out.parent
-        old = None  # where the replaced checkpoint is once the new one is in place
+        st = os.lstat(self.staging)
+        self._write_journal(self._journal, phase="swap", staged=[st.st_dev, st.st_ino])
+        self._wait_for_readers()
+        replace = files.holds_anything(self.out)
         try:
-            if self.out.is_dir() and any(self.out.iterdir()):
-                if _exchange(self.staging, self.out):
-                    self._write_journal(self._journal, phase="swapped")
-                    old = self.staging  # the old checkpoint, now under the staging name
-                else:
-                    _rename(self.out, self.old_path)
-                    self._write_journal(self._journal, phase="moved-old")
-                    _rename(self.staging, self.out)
-                    self._write_journal(self._journal, phase="swapped")
-                    old = self.old_path
+            if replace:
+                self._carry_cards()
+            _faults.hit("rename")
+            if replace:
+                if not files.exchange(self.staging, self.out):
+                    raise OSError(errno.ENOTSUP, "the filesystem no longer swaps folders atomically")
             else:
-                _rename(self.staging, self.out)  # onto a missing or empty OUT
+                os.rename(self.staging, self.out)  # onto a missing or empty OUT
         except OSError as e:
             raise OutputError(f"cannot move the finished conversion into place: {e.strerror or e}; re-run the same "
                               "command to finish", file=str(self.out)) from None
-        self._after_commit(parent, old)
+        self._after_commit(self.staging if replace else None)
 
-    def _after_commit(self, parent: Path, old: Path | None) -> None:
-        """The new checkpoint is in OUT: delete the old one, drop the journal, flush the parent folder. A failure
-        here cannot undo the commit, so it is a warning (``warnings``), naming what is left, never an error."""
+    def _after_commit(self, old: Path | None) -> None:
+        """The new checkpoint is in OUT: delete the old one (under the staging name), drop the journal, flush the
+        parent folder. A failure here cannot undo the commit, so it is a warning (``warnings``), naming what is
+        left, never an error; the next run into OUT removes what is left."""
+        parent = self.out.parent
         if old is not None:
             try:
-                shutil.rmtree(old)
+                files.remove_tree(old)
             except OSError as e:
                 self.warnings.append(f"the new conversion is in {self.out}, but the checkpoint it replaced could not "
                                      f"be deleted ({e.strerror or e}): remove {old} by hand")
@@ -454,20 +518,84 @@ class OutputDir:
                                  "loss until the folder is flushed (run sync)")
         self.release()
 
+    def _carry_cards(self) -> None:
+        """Copy into the staging folder the model card files of OUT (``PUSH_WRITES``) that are not the bytes the old
+        conversion recorded (a push or a user wrote them), with their mode and times: the new checkpoint keeps
+        them. A copy, so OUT keeps its own until the exchange."""
+        try:
+            recorded = {f.name: f.sha256 for f in Manifest.load(self.out).files}
+        except ExpqError:
+            recorded = {}
+        for rel in PUSH_WRITES:
+            st = files.lstat(self.out / rel)
+            if st is None or not stat.S_ISREG(st.st_mode) or recorded.get(rel) == sha256_file(self.out / rel):
+                continue
+            dst = self.path(rel)
+            files.remove_file(dst)
+            fd = files.create(dst, stat.S_IMODE(st.st_mode))
+            try:
+                files.write_all(fd, files.read_bytes(self.out / rel))
+                os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_path(dst.parent)
+
+    def _wait_for_readers(self) -> None:
+        """Take the lock's ``COMMIT`` byte, exclusive: wait while a verify or push reads OUT (stopping on a signal)."""
+        while not files.try_lock(self._lock_fd, files.COMMIT, exclusive=True):
+            if STOP.wait(0.1):
+                raise Interrupted(getattr(STOP, "signum", signal.SIGINT))
+
     def discard(self) -> None:
         """Remove the staging folder and the journal (nothing to resume)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            files.remove_tree(self.staging)
         self._drop_journal()
         self.release()
 
     def release(self) -> None:
-        """Give up the lock (the staging folder and journal stay for a resume)."""
+        """Give up the lock (the staging folder and journal stay for a resume); the lock file is deleted unless a
+        reader of OUT holds it (the last reader deletes it)."""
         if self._lock_fd is not None:
-            try:
-                self.lock_path.unlink(missing_ok=True)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            fd, self._lock_fd = self._lock_fd, None
+            files.let_go(fd, self.lock_path)
+
+
+_STAGING_HINT = ("move the folder itself back to this name (mv, on the same filesystem), or remove the link to start "
+                 "afresh")
+
+
+@contextlib.contextmanager
+def reading(out: str | Path):
+    """Hold OUT steady while reading it (verify, push): a shared lock that a conversion into OUT takes exclusively
+    only to swap OUT and delete the old checkpoint, so a commit waits for the reader and the reader for a commit
+    in progress. Where the lock file cannot be made (a read-only place), nothing can convert into OUT either, and
+    nothing is held.
+
+    Raises:
+        LinkRefused: the lock file is a symbolic link.
+    """
+    out = Path(out).expanduser().absolute()
+    path = beside(out, LOCK)
+    fd = None
+    while True:
+        try:
+            fd = files.open_lock(path)
+        except files.LinkRefused:
+            raise
+        except OSError:
+            break
+        if files.try_lock(fd, files.COMMIT, exclusive=False) and files.same_file(fd, path):
+            break
+        os.close(fd)
+        fd = None
+        time.sleep(0.05)  # a commit in progress, or the file was just deleted: try again
+    try:
+        yield
+    finally:
+        if fd is not None:
+            files.let_go(fd, path)
 
 
 class ShardFolder:
@@ -525,31 +653,6 @@ def _check_location(out: Path, src_root: Path | None, given) -> None:
         s, o = src_root.resolve(), out.resolve()
         if o == s or s in o.parents or o in s.parents:
             raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(given))
-
-
-def _acquire(path: Path, out: Path) -> int:
-    """An exclusive flock on ``path``, re-checked against the path's inode (see the module docstring)."""
-    for _ in range(100):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                pid = int(os.pread(fd, 32, 0).decode().strip() or 0)
-            except ValueError:
-                pid = 0
-            os.close(fd)
-            raise UsageError(f"another expq convert (pid {pid}) is writing OUT", file=str(out)) from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            return fd
-        os.close(fd)  # the holder deleted it as we opened it: take the new one
-    raise UsageError("cannot take the lock (it keeps changing)", file=str(out))
 
 
 def _manifest_fingerprint(out: Path) -> dict | None:
@@ -703,7 +806,7 @@ class ShardSet:
         header = encode_header(self._members[k])
         path = self.outdir.path(self.plan.shard_names[k])
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             os.pwrite(fd, header, 0)
             os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
             for o in self._members[k]:
@@ -854,7 +957,7 @@ class ShardSet:
         with self._lock:
             for k, (fd, _) in self._fds.items():
                 os.close(fd)
-                (self.outdir.staging / self.plan.shard_names[k]).unlink(missing_ok=True)
+                files.remove_file(self.outdir.staging / self.plan.shard_names[k])
             self._fds.clear()
 
     def complete(self) -> bool:

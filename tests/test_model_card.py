@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -156,30 +157,38 @@ def test_hf_download_local_dir_copy_records_its_commit(hub_server, tmp_path, tmp
     assert expq.convert(local, tmp_path / "out2", device="cpu").commit is None
 
 
-@pytest.mark.parametrize("before", ["none", "file", "link"])
+@pytest.mark.parametrize("before", ["none", "file"])
 def test_card_in_place_puts_back_what_was_there(tmp_path, before):
     from expq.hub import card_in_place
 
     path = tmp_path / "README.md"
     if before == "file":
         path.write_text("the source's card\n")
-    elif before == "link":
-        (tmp_path / "notes.md").write_text("notes\n")
-        path.symlink_to("notes.md")
     with pytest.raises(KeyboardInterrupt):
         with card_in_place(path, "# card\n"):
             assert path.read_text() == "# card\n" and not path.is_symlink()
             raise KeyboardInterrupt
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"none": [], "file": ["README.md"],
-                                                                 "link": ["README.md", "notes.md"]}[before])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"none": [], "file": ["README.md"]}[before])
     if before == "file":
         assert path.read_text() == "the source's card\n"
-    if before == "link":
-        assert path.is_symlink() and str(path.readlink()) == "notes.md" and (tmp_path / "notes.md").read_text() == \
-            "notes\n"
     with card_in_place(path, "# card\n"):  # success: the card stays
         pass
     assert path.read_text() == "# card\n" and not path.is_symlink()
+
+
+def test_card_in_place_never_writes_through_a_link(tmp_path):
+    from expq.hub import card_in_place
+    from expq.io.files import LinkRefused
+
+    (tmp_path / "notes.md").write_text("notes\n")
+    path = tmp_path / "README.md"
+    path.symlink_to("notes.md")
+    with pytest.raises(LinkRefused, match="symbolic link"):
+        with card_in_place(path, "# card\n"):
+            pass
+    assert path.is_symlink() and str(path.readlink()) == "notes.md"
+    assert (tmp_path / "notes.md").read_text() == "notes\n" and sorted(os.listdir(tmp_path)) == ["README.md",
+                                                                                               "notes.md"]
 
 
 def test_card_command_for_a_local_source_with_an_odd_name(tmp_path, tmp_path_factory):

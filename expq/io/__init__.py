@@ -1,2 +1,3 @@
-"""The bytes floor: safetensors files (``safetensors``), the index and which files hold the weights (``index``),
-content hashes (``hashing``). Imports nothing from expq but ``errors``."""
+"""The bytes floor, importing nothing from expq but ``errors``: safetensors files (``safetensors``), the index and
+which files hold the weights (``index``), content hashes (``hashing``), regular-file checks and bounded reads
+(``regular``), and how expq creates, opens, deletes, renames and locks files without following links (``files``)."""

@@ -112,7 +112,7 @@ def sha256_regular(path: str | Path, what: str, error: type[ExpqError] = SourceE
 
 def copy_regular(src: str | Path, dst: str | Path, what: str, error: type[ExpqError] = SourceError,
                  dst_error: type[ExpqError] | None = None) -> None:
-    """Copy a regular file's bytes into a new file ``dst`` (created or truncated, mode 0o644) and fsync it, in
+    """Copy a regular file's bytes into a new file ``dst`` (created or truncated, mode 0o644; never opened through a link) and fsync it, in
     chunks, keeping its holes: only the data ranges (``SEEK_DATA``/``SEEK_HOLE``) are copied, so a sparse file
     stays sparse and costs neither memory nor disk for its holes.
 
@@ -124,7 +124,7 @@ def copy_regular(src: str | Path, dst: str | Path, what: str, error: type[ExpqEr
     fd = open_regular(src, what, error)
     try:
         try:
-            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise dst_error(f"cannot write: {e.strerror or e}", file=str(dst)) from None
         try:
