@@ -18,10 +18,10 @@ from pathlib import Path
 from .version import __version__
 from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import stock_transformers_misloads
-from .errors import ExpqError, UsageError, option
+from .errors import ExpqError, UsageError, option, scrub_tokens
 from .layouts import shared_facts
 from .manifest import MANIFEST, Manifest
-from .options import check_repo_id
+from .options import check_repo_id, format_size
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
@@ -160,13 +160,6 @@ def _checkout_remote(root: Path) -> tuple[str | None, str | None]:
     return None, head
 
 
-def _human(n: float) -> str:
-    """Decimal sizes, as the Hub shows them (rich's own formatter)."""
-    from rich.filesize import decimal
-
-    return decimal(int(n), precision=2)
-
-
 @dataclass(frozen=True)
 class Origin:
     """Where a converted checkpoint came from, as its card says: the base model's repo id (None when unknown), the
@@ -292,8 +285,8 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
             f"projections (gate, up, down) = {p.matrices_quantized} matrices, int8 |",
             f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: "
             f"{_kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)} |",
-            f"| experts | {_human(p.bytes_quantized_in)} -> {_human(m.quantized_bytes_out)} |",
-            f"| whole checkpoint | {_human(p.bytes_in)} -> {_human(p.bytes_out)} |",
+            f"| experts | {format_size(p.bytes_quantized_in)} -> {format_size(m.quantized_bytes_out)} |",
+            f"| whole checkpoint | {format_size(p.bytes_in)} -> {format_size(p.bytes_out)} |",
             f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
 
 
@@ -407,10 +400,6 @@ def hub_token(token: str | None) -> str:
     return tok
 
 
-def _scrub(msg: str, token: str | None) -> str:
-    return msg.replace(token, "***") if token else msg
-
-
 def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          create_pr: bool = False, commit_message: str | None = None, token: str | None = None,
          skip_verify: bool = False, dry_run: bool = False, device: str = "auto",
@@ -462,7 +451,7 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
                     commit_message=commit_message or f"Upload {ck.format.name} checkpoint made with expq {__version__}",
                     token=tok)
         except ExpqError as e:
-            e.message = _scrub(e.message, tok)
+            e.message = scrub_tokens(e.message, tok)
             Exception.__init__(e, e._line())  # the line printed is the scrubbed one
             raise
         except Exception as e:  # noqa: BLE001
@@ -519,7 +508,7 @@ def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     status = getattr(getattr(e, "response", None), "status_code", None)
-    text = _scrub(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
+    text = scrub_tokens(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
     resume = "re-run the same command to resume; finished files are not uploaded again"
     if isinstance(e, RepositoryNotFoundError) or status == 404:
         return PushError(f"repo {repo_id} not found or not accessible with this token: {text}", exit_code=3)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -31,7 +30,8 @@ from typing import Callable, Protocol
 import torch
 
 from . import parallel
-from .errors import Interrupted, NonFiniteError
+from .errors import NonFiniteError
+from .interrupts import StopSignal
 from .plan import Job, OutTensor, Plan
 from .scheme import quantize_matrix
 from .source import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
@@ -161,7 +161,7 @@ class _Run:
     """What the pipelines of one ``run_plan`` share: the plan, the shards, the unit queue, the stop flags, the
     findings, and the per-file reader counts for the feeder."""
 
-    def __init__(self, plan: Plan, shards: ShardSet, stats: RunStats, allow_nonfinite: bool, stop: threading.Event,
+    def __init__(self, plan: Plan, shards: ShardSet, stats: RunStats, allow_nonfinite: bool, stop: StopSignal,
                  feeder: SourceFeeder | None, on_progress: Callable[[int, int], None] | None):
         self.plan, self.shards, self.stats = plan, shards, stats
         self.allow_nonfinite, self.stop, self.feeder, self.on_progress = allow_nonfinite, stop, feeder, on_progress
@@ -414,7 +414,7 @@ def make_units(plan: Plan, todo: list[tuple[int, Job]], largest_first: bool = Tr
 
 def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow_nonfinite: bool = False,
              on_progress: Callable[[int, int], None] | None = None, done_jobs: dict[int, dict] | None = None,
-             stop: threading.Event | None = None, feeder: SourceFeeder | None = None) -> RunStats:
+             stop: StopSignal | None = None, feeder: SourceFeeder | None = None) -> RunStats:
     """Execute every job of ``plan`` through one pipeline per device in ``devices``, writing into ``shards``.
 
     A job whose outputs all lie in shards an earlier run finished is skipped (for a quantize job, when its row
@@ -425,7 +425,8 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
         on_progress: called (from the write threads) after each job with (source bytes it consumed, shards
             finished); an exception it raises stops the run like any other error.
         done_jobs: row findings of quantize jobs an earlier run finished (job index -> dict).
-        stop: when set (an interrupt), pipelines finish the tensor in hand and stop; ``Interrupted`` is raised.
+        stop: when set (an interrupt: ``interrupts.stop_on_signals``), pipelines finish the tensor in hand and stop;
+            ``Interrupted`` is raised (None: never set).
         feeder: where the source files come from when they are not all on disk (``SourceFeeder``).
 
     Returns:
@@ -438,7 +439,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     """
     stats = RunStats(by_job=dict(done_jobs or {}))
     shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
-    run = _Run(plan, shards, stats, allow_nonfinite, stop or threading.Event(), feeder, on_progress)
+    run = _Run(plan, shards, stats, allow_nonfinite, stop or StopSignal(), feeder, on_progress)
     todo = []
     for i, j in enumerate(plan.jobs):
         if shards.needed(j.outputs) or (j.kind == "quantize" and i not in stats.by_job):
@@ -461,7 +462,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     if run.errors:
         raise run.errors[0]
     if run.stop.is_set():
-        raise Interrupted(getattr(run.stop, "signum", signal.SIGINT))
+        raise run.stop.interrupted()
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
     return stats.finish()

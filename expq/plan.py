@@ -1,8 +1,8 @@
 """The plan: before any byte is written, what happens to every source tensor and where every output tensor goes.
 
 ``make_plan`` reads as its steps: resolve the layout, build the expert map (every check of the experts against the
-config and the tensors), resolve the compute dtype, pick the output format, check the experts' dtypes, build one job
-per logical source tensor (copy its bytes, decode it, or quantize the routed-expert matrices it holds, with the
+config and the tensors; the source decoder refuses routed experts it must not decode), resolve the compute dtype,
+pick the output format, check the experts' dtypes, build one job per logical source tensor (copy its bytes, decode it, or quantize the routed-expert matrices it holds, with the
 output tensors the format says they become), and cut the outputs into shards at fixed offsets. The pipeline executes
 the jobs; the writer lays down the files.
 """
@@ -21,12 +21,11 @@ from .experts import ExpertMap, ExpertTensor, Matrix
 from .engines.clients import stock_transformers_misloads
 from .formats import AUTO, Format, get_format
 from .layouts import Layout, detect_layout, load_layout, nested_configs
-from .options import parse_size
+from .options import DEFAULT_MAX_SHARD, parse_size
 from .scheme import resolve_compute_dtype
 from .source import DTYPE_BITS, FLOAT_DTYPES, Source
 
 DEFAULT_FORMAT = AUTO  # the family's default format (its layout's [clients] format)
-DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 @dataclass
@@ -189,7 +188,7 @@ class Plan:
 
 
 def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtype: str = "auto",
-              max_shard_size: str | int = "5GB", format: str = DEFAULT_FORMAT) -> Plan:
+              max_shard_size: str | int = DEFAULT_MAX_SHARD, format: str = DEFAULT_FORMAT) -> Plan:
     """Check the source against its layout and plan the conversion.
 
     Args:
@@ -205,11 +204,13 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
 
     Raises:
         LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match.
-        SourceError: expert tensors that are not float.
+        SourceError: expert tensors that are not float; routed experts the source decoder refuses
+            (``Decoder.check_experts``: already int8 per channel).
         UsageError: an unknown format. ValueError: a bad ``dtype`` or ``max_shard_size``.
     """
     lay, detected_by = resolve_layout(source.config, layout)
     experts = ExpertMap.from_source(lay, source.config, source.logical)
+    source.decoder.check_experts(experts)
     compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
     shard_limit = parse_size(max_shard_size)
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)

@@ -682,3 +682,26 @@ def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, c
             os.pwrite(dst_fd, data, dst_offset + (pos - info.start))
             pos += len(data)
             left -= len(data)
+
+
+# --- identity --------------------------------------------------------------------------------------------------------
+def local_identity(src: Source) -> list[list]:
+    """A directory source's identity, what a resume and a no-op re-run compare (``conversion.run_settings``): per
+    shard [file, size, header sha256, sha256 of the first and last MiB of its data]; per side file (config.json
+    first) [file, size, sha256]. Reads those bytes; with ``--ray`` a task calls it, never the driver."""
+    import hashlib
+
+    files = []
+    for sh in src.shards:
+        with open(sh.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            head = hashlib.sha256(f.read(n)).hexdigest()
+            f.seek(8 + n)
+            first = f.read(1 << 20)
+            f.seek(max(8 + n, sh.size - (1 << 20)))
+            last = f.read(1 << 20)
+        files.append([sh.file, sh.size, head, hashlib.sha256(first + last).hexdigest()])
+    for rel in ["config.json", *src.side_files]:
+        p = src.root / rel
+        files.append([rel, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()])
+    return files

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from .errors import ExpqError, UsageError
+from .interrupts import STOP
 from .manifest import MANIFEST, PUSH_WRITES, Manifest
 from .plan import OutTensor, Plan
 
@@ -58,11 +59,13 @@ JOURNAL = ".expq-journal.json"
 LOCK = ".expq-lock"
 OLD = ".expq-old"
 FAULT_ENV = "EXPQ_FAULT"
-STOP = threading.Event()  # set when the run is interrupted (signals): workers and stalls stop
 
 
 class OutputError(ExpqError):
-    """Writing the output failed (disk full, permissions...); names the file and tensor."""
+    """Writing the output failed (disk full, permissions...); names the file and tensor. Resumable: the shards
+    finished before it are kept."""
+
+    resumable = True
 
 
 class _Faults:

@@ -23,7 +23,7 @@ import expq
 from expq.cli import app
 from expq.errors import HubError, SourceError, UsageError
 from expq.pipeline import make_units
-from expq.streaming import DEFAULT_AHEAD, ShardStream, open_stream, stream_folder
+from expq.streaming import DEFAULT_AHEAD, StreamFeeder, open_stream, stream_folder
 
 REPO = "org/stream-mixtral"
 SHARD = "40KB"  # output shards: several, each fed by more than one source shard
@@ -170,13 +170,13 @@ def test_peak_disk_follows_ahead(hub_server, repo, reference, tmp_path, monkeypa
     folder, _, sizes = repo
     monkeypatch.setattr("expq.streaming.DEFAULT_AHEAD", 0)
     seen = []
-    real_done = ShardStream.done
+    real_done = StreamFeeder.done
 
     def done(self, file):
         seen.append(sorted(p.name for p in self.folder.glob("*.safetensors")))
         real_done(self, file)
 
-    monkeypatch.setattr(ShardStream, "done", done)
+    monkeypatch.setattr(StreamFeeder, "done", done)
     out = tmp_path / "run" / "out"
     report = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)
     assert tree_digest(out) == reference and leftovers(out.parent) == []
@@ -221,8 +221,8 @@ def test_killed_stream_resumes_downloading_only_what_is_still_needed(hub_server,
     cut = on_disk[-1]
     (stream / cut).write_bytes((stream / cut).read_bytes()[:1000])
     started = []
-    real_start = ShardStream.start
-    monkeypatch.setattr(ShardStream, "start", lambda self, files: (started.append(list(files)),
+    real_start = StreamFeeder.start
+    monkeypatch.setattr(StreamFeeder, "start", lambda self, files: (started.append(list(files)),
                                                                    real_start(self, files))[1])
     hub_server.reset_stats()
     report = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)
