@@ -46,8 +46,9 @@ STOP = StopSignal()
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopSignal]:
     """For the length of a run: SIGINT, SIGTERM and SIGHUP set ``STOP`` (cleared first) instead of killing the
-    process mid-write; the previous handlers come back afterwards. Outside the main thread no handler can be
-    installed: ``STOP`` is yielded as it is (a signal still stops a run in the main thread).
+    process mid-write; the previous handlers come back afterwards, and ``STOP`` is cleared again (the run has
+    raised ``Interrupted`` by then). Outside the main thread no handler can be installed: ``STOP`` is yielded as it
+    is (set only by a run in the main thread).
 
     Yields:
         ``STOP``.
@@ -62,3 +63,4 @@ def stop_on_signals() -> Iterator[StopSignal]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        STOP.reset()
