@@ -120,8 +120,9 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         return cluster.convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                       device=device, revision=revision, max_shard_size=max_shard_size,
                                       overwrite=overwrite, layout=layout, allow_nonfinite=allow_nonfinite,
-                                      token=token, fsync=fsync, allow_random_experts=allow_random_experts_in_transformers,
-                                      on_plan=on_plan, on_progress=on_progress, t0=t0)
+                                      token=token, fsync=fsync,
+                                      allow_random_experts=allow_random_experts_in_transformers, on_plan=on_plan,
+                                      on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
     warm_up(devices)
     with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):

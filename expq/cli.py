@@ -181,7 +181,9 @@ def convert(
         ("MoE layers / dense", f"{len(report.moe_layers)} / {len(report.dense_layers)} of {report.layers}"),
         ("routed experts per layer", str(report.experts)),
         ("matrices quantized", f"{report.matrices_quantized} ({report.tensors_quantized} source tensors)"),
-        ("tensors copied byte for byte", str(report.tensors_copied)),
+        ("tensors copied byte for byte", str(report.tensors_byte_identical)),
+        *([("tensors decoded, not quantized", str(report.tensors_decoded_not_quantized))]
+          if report.tensors_decoded_not_quantized else []),
         ("compute dtype", report.compute_dtype),
         ("size", f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} "
                  f"({report.shards} shard{'s' if report.shards != 1 else ''})"),
@@ -295,8 +297,7 @@ def inspect(
              ("compute dtype", f"{s['compute_dtype']}: {s['compute_dtype_reason']}"),
              ("to quantize", f"{s['matrices_quantized']} matrices from {s['source_tensors_quantized']} tensors "
                              f"({format_size(s['bytes_quantized_in'])})"),
-             ("to copy", f"{s['source_tensors_copied']} tensors ({format_size(s['bytes_copied'])}), "
-                         f"{len(s['side_files'])} side files"),
+             _not_quantized_row(s),
              ("output format", f"{s['format']}: {s['format_reason']}"),
              *(row for c in s["clients"] for row in
                [(f"  {c['engine']}", c["command"] if c["loads"] else f"cannot: {c['note']}")]
@@ -312,6 +313,15 @@ def inspect(
         _table(None, ("tensor", "dtype", "shape", "action"),
                ((Text(row["name"], overflow="fold"), row["dtype"], str(row["shape"]),
                  row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")) for row in s["tensors"]))
+
+
+def _not_quantized_row(s: dict) -> tuple[str, str]:
+    """inspect's row for the tensors not quantized: copied byte for byte, and decoded where the source is quantized."""
+    n_copy, n_dec = s["source_tensors_byte_identical"], s["source_tensors_decoded_not_quantized"]
+    files = f"({format_size(s['bytes_copied'])}), {len(s['side_files'])} side files"
+    if not n_dec:
+        return "to copy", f"{n_copy} tensors {files}"
+    return "not quantized", f"{n_copy} tensors copied byte for byte and {n_dec} decoded {files}"
 
 
 @command()

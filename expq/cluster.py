@@ -45,7 +45,7 @@ from .errors import ClusterError, ExpqError, HubError, HubOfflineError, Interrup
 from .interrupts import StopSignal, stop_on_signals
 from .manifest import Manifest
 from .pipeline import RunStats
-from .plan import Plan
+from .plan import JobKind, Plan
 from .options import is_repo_id
 from .source import local_identity, resolve_source
 from .streaming import StreamFeeder, streamed
@@ -117,11 +117,12 @@ def task_groups(plan: Plan, skip: set[int] = frozenset()) -> list[TaskGroup]:
             continue
         mine = set(ks)
         jobs = [j for j in plan.jobs if any(o.shard in mine for o in j.outputs)]
-        files = tuple(dict.fromkeys(p.file for j in jobs for p in j.source.parts))
-        costs = [j.source.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in jobs if j.kind != "copy"]
-        biggest = max((j.source.nbytes_stored for j in jobs if j.kind != "copy"), default=0)
+        files = tuple(dict.fromkeys(p.file for j in jobs for p in j.tensor.parts))
+        work = [j for j in jobs if j.kind is not JobKind.COPY]  # read into memory (a copy goes file to file)
+        costs = [j.tensor.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in work]
+        biggest = max((j.tensor.nbytes_stored for j in work), default=0)
         memory = TASK_BASE_MEMORY + min(PIPELINE_BYTES, sum(costs)) + 4 * biggest
-        groups.append(TaskGroup(tuple(ks), files, sum(j.source.nbytes_stored for j in jobs), memory))
+        groups.append(TaskGroup(tuple(ks), files, sum(j.tensor.nbytes_stored for j in jobs), memory))
     return sorted(groups, key=lambda g: (-g.bytes_in, g.shards))
 
 
@@ -148,7 +149,7 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
     out = ShardFolder(folder, names, plan.shard_names)
     mine = set(shards)
     elsewhere = {i: _NO_FINDINGS for i, j in enumerate(plan.jobs)
-                 if j.kind == "quantize" and not any(o.shard in mine for o in j.outputs)}
+                 if j.kind is JobKind.QUANTIZE and not any(o.shard in mine for o in j.outputs)}
     shard_set = ShardSet(plan, out, fsync=fsync)
     try:
         stats = run_plan(plan, shard_set, devices, allow_nonfinite=allow_nonfinite, done_jobs=elsewhere,

@@ -29,7 +29,8 @@ class ConvertReport:
     """What ``convert`` did. Sizes in bytes, time in seconds.
 
     ``tensors_quantized`` counts source tensors holding routed experts, ``matrices_quantized`` the expert projection
-    matrices (layers x experts x 3); ``zero_rows`` rows were all zero (scale 0); ``underflow_rows`` had a scale that
+    matrices (layers x experts x 3); ``tensors_copied`` every other tensor: ``tensors_byte_identical`` copied byte
+    for byte plus ``tensors_decoded_not_quantized`` (a quantized source's other weights, written decoded); ``zero_rows`` rows were all zero (scale 0); ``underflow_rows`` had a scale that
     underflowed in the compute dtype (listed in ``underflow_examples``, up to 20).
     """
 
@@ -48,6 +49,8 @@ class ConvertReport:
     experts: int
     tensors_quantized: int
     tensors_copied: int
+    tensors_byte_identical: int
+    tensors_decoded_not_quantized: int
     matrices_quantized: int
     side_files_copied: int
     shards: int
@@ -141,7 +144,8 @@ def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, sec
         architecture=plan.architecture, model_type=plan.model_type, layout=plan.layout.name, format=plan.format.name,
         compute_dtype=str(plan.compute_dtype).removeprefix("torch."), layers=em.num_layers,
         moe_layers=em.moe_layers, dense_layers=em.dense_layers, experts=em.num_experts,
-        tensors_quantized=len(em.tensors), tensors_copied=len(plan.copied), matrices_quantized=len(em.matrices),
+        tensors_quantized=len(em.tensors), tensors_copied=len(plan.unquantized),
+        tensors_byte_identical=len(plan.copied), tensors_decoded_not_quantized=len(plan.decoded), matrices_quantized=len(em.matrices),
         side_files_copied=len(src.side_files), shards=len(plan.shard_names), bytes_in=plan.bytes_in,
         bytes_out=plan.bytes_out, seconds=round(seconds, 3), devices=[str(d) for d in devices],
         zero_rows=findings.zero, underflow_rows=findings.underflow, nonfinite_rows=findings.nonfinite,

@@ -20,7 +20,7 @@ from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import stock_transformers_misloads
 from .errors import ExpqError, UsageError, option, scrub_tokens
 from .layouts import shared_facts
-from .manifest import MANIFEST, Manifest
+from .manifest import DECODED_OTHERS, MANIFEST, Manifest
 from .options import check_repo_id, format_size
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
@@ -283,11 +283,23 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
             f"| architecture | `{p.architecture}` (`{p.model_type}`, {p.layout} layout) |",
             f"| routed experts | {len(p.moe_layers)} MoE layers x {p.routed_experts_per_layer} experts x 3 "
             f"projections (gate, up, down) = {p.matrices_quantized} matrices, int8 |",
-            f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: "
-            f"{_kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)} |",
+            *_card_kept_rows(ck, m),
             f"| experts | {format_size(p.bytes_quantized_in)} -> {format_size(m.quantized_bytes_out)} |",
             f"| whole checkpoint | {format_size(p.bytes_in)} -> {format_size(p.bytes_out)} |",
             f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
+
+
+def _card_kept_rows(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
+    """The card's rows for the tensors not quantized: kept byte-identical, and, from a quantized source, those
+    decoded to the compute dtype."""
+    p = m.plan
+    kinds = _kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)
+    decoded = m.decoded.count(DECODED_OTHERS) if m.decoded is not None else 0
+    if not decoded:
+        return [f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: {kinds} |"]
+    return [f"| not quantized | {p.source_tensors_copied} tensors: {kinds} |",
+            f"| of which kept as they were (byte-identical) | {p.source_tensors_copied - decoded} tensors |",
+            f"| of which decoded from {m.decoded.source_format} to {p.compute_dtype} | {decoded} tensors |"]
 
 
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
