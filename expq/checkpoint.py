@@ -217,7 +217,7 @@ class ConvertedCheckpoint:
         names = self.experts.bias_names(layer)
         if names:
             gu_name, d_name = names
-            res.w13_bias = self.experts.w13_rows(self.read(gu_name)) if gu_name in self.tensors else None
+            res.w13_bias = self.experts.in_w13_order(self.read(gu_name)) if gu_name in self.tensors else None
             res.w2_bias = self.read(d_name) if d_name in self.tensors else None
         return res
 

@@ -24,12 +24,12 @@ from typing import Annotated, Iterable, Optional, Sequence
 
 import typer
 from rich.console import Console
-from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand
 
 from . import options
+from .options import format_size
 from .errors import ExpqError, cli_options
 from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
@@ -117,11 +117,6 @@ def _warn(warnings: Iterable[str]) -> None:
         _say(Text(f"WARNING: {w}", style="bold red"), stderr=True)
 
 
-def _human(n: float) -> str:
-    """Decimal sizes, as the Hub shows them (rich's own formatter)."""
-    return decimal(int(n), precision=2)
-
-
 @command()
 def convert(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
@@ -133,7 +128,7 @@ def convert(
                                             "float32.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or cuda:0,cuda:1,...")] = "auto",
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = options.DEFAULT_MAX_SHARD,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a checkpoint already in OUT.")] = False,
     layout: Annotated[Optional[Path], typer.Option(help="Layout file for an architecture expq does not know "
                                                         "(see configs/README.md).")] = None,
@@ -187,9 +182,11 @@ def convert(
         ("MoE layers / dense", f"{len(report.moe_layers)} / {len(report.dense_layers)} of {report.layers}"),
         ("routed experts per layer", str(report.experts)),
         ("matrices quantized", f"{report.matrices_quantized} ({report.tensors_quantized} source tensors)"),
-        ("tensors copied byte for byte", str(report.tensors_copied)),
+        ("tensors copied byte for byte", str(report.tensors_byte_identical)),
+        *([("tensors decoded, not quantized", str(report.tensors_decoded_not_quantized))]
+          if report.tensors_decoded_not_quantized else []),
         ("compute dtype", report.compute_dtype),
-        ("size", f"{_human(report.bytes_in)} -> {_human(report.bytes_out)} "
+        ("size", f"{format_size(report.bytes_in)} -> {format_size(report.bytes_out)} "
                  f"({report.shards} shard{'s' if report.shards != 1 else ''})"),
         ("time", f"{report.seconds:.1f} s on {', '.join(report.devices)}"),
         ("zero rows (scale 0)", str(report.zero_rows)),
@@ -202,7 +199,7 @@ def convert(
     for url in report.hub_commits or []:
         rows.append(("commit", url))
     if report.stream_peak_bytes is not None:
-        rows.append(("stream folder at most", _human(report.stream_peak_bytes)))
+        rows.append(("stream folder at most", format_size(report.stream_peak_bytes)))
     if report.up_to_date:
         rows.append(("status", "up to date: OUT already holds this conversion (every file's sha256 checked)"))
     elif report.shards_resumed:
@@ -268,7 +265,7 @@ def inspect(
     revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
     layout: Annotated[Optional[Path], typer.Option(help="Layout file (see configs/README.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype (as for convert).")] = "auto",
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard.")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard.")] = options.DEFAULT_MAX_SHARD,
     format: Annotated[str, typer.Option("--format", help="Output format (as for convert).")] = AUTO,
     token: Annotated[Optional[str], typer.Option(help="Hub token.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
@@ -300,14 +297,13 @@ def inspect(
     rows += [("routed experts per layer", f"{s['routed_experts_per_layer']} (top_k {s['top_k']})"),
              ("compute dtype", f"{s['compute_dtype']}: {s['compute_dtype_reason']}"),
              ("to quantize", f"{s['matrices_quantized']} matrices from {s['source_tensors_quantized']} tensors "
-                             f"({_human(s['bytes_quantized_in'])})"),
-             ("to copy", f"{s['source_tensors_copied']} tensors ({_human(s['bytes_copied'])}), "
-                         f"{len(s['side_files'])} side files"),
+                             f"({format_size(s['bytes_quantized_in'])})"),
+             _not_quantized_row(s),
              ("output format", f"{s['format']}: {s['format_reason']}"),
              *(row for c in s["clients"] for row in
                [(f"  {c['engine']}", c["command"] if c["loads"] else f"cannot: {c['note']}")]
                + [(f"    {v['when']}", v["command"]) for v in c["commands"]]),
-             ("size", f"{_human(s['bytes_in'])} -> {_human(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
+             ("size", f"{format_size(s['bytes_in'])} -> {format_size(s['bytes_out'])} in {n} shard{'s' if n != 1 else ''}")]
     for how, n in s["decoded_as"].items():
         rows.append(("decoded from the source format", f"{n} {how}"))
     if s["skipped_files"]:
@@ -318,6 +314,15 @@ def inspect(
         _table(None, ("tensor", "dtype", "shape", "action"),
                ((Text(row["name"], overflow="fold"), row["dtype"], str(row["shape"]),
                  row["action"] + (f" ({row['decoded']})" if row["decoded"] else "")) for row in s["tensors"]))
+
+
+def _not_quantized_row(s: dict) -> tuple[str, str]:
+    """inspect's row for the tensors not quantized: copied byte for byte, and decoded where the source is quantized."""
+    n_copy, n_dec = s["source_tensors_byte_identical"], s["source_tensors_decoded_not_quantized"]
+    files = f"({format_size(s['bytes_copied'])}), {len(s['side_files'])} side files"
+    if not n_dec:
+        return "to copy", f"{n_copy} tensors {files}"
+    return "not quantized", f"{n_copy} tensors copied byte for byte and {n_dec} decoded {files}"
 
 
 @command()
@@ -393,8 +398,8 @@ def run(
     quiet_hub_bars()
     with errors_to_exit_codes():
         g = generate(out_dir, prompt, max_new_tokens=max_new_tokens, device=device)
-    _say(f"{g.model_class}: routed experts int8 in memory ({_human(g.experts_bytes)}), "
-         f"rest {_human(g.other_bytes)}, on {g.device}", stderr=True)
+    _say(f"{g.model_class}: routed experts int8 in memory ({format_size(g.experts_bytes)}), "
+         f"rest {format_size(g.other_bytes)}, on {g.device}", stderr=True)
     if g.text is not None:  # the generated text, exactly (plain print when piped)
         _say(g.text)
         _say(f"token ids: {g.new_ids}", stderr=True)
@@ -446,11 +451,11 @@ def push(
         return
     if dry_run:
         _table(f"expq push --dry-run: would upload to {repo_id}", ("file", "size"),
-               ((Text(f["path"], overflow="fold"), _human(f["size"])) for f in res.files))
-        _say(f"{len(res.files)} files, {_human(res.bytes)}; verify: {res.verify_verdict or 'skipped'}")
+               ((Text(f["path"], overflow="fold"), format_size(f["size"])) for f in res.files))
+        _say(f"{len(res.files)} files, {format_size(res.bytes)}; verify: {res.verify_verdict or 'skipped'}")
         sys.stdout.write("\n--- README.md (model card) ---\n\n" + res.card + "\n")
         return
-    _say(Text(f"pushed {len(res.files)} files ({_human(res.bytes)}) to {repo_id}"
+    _say(Text(f"pushed {len(res.files)} files ({format_size(res.bytes)}) to {repo_id}"
                    f"{' (' + res.revision + ')' if res.revision else ''}; remote sizes and hashes match"))
     for url in (res.pr_url, res.commit_url):
         if url:

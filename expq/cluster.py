@@ -10,7 +10,7 @@ last MiB of each local shard) is read by a task. Then:
 2. **Run** (``write_shards``, in each task): the normal pipeline (``run_plan``, ``ShardSet``) restricted to the
    task's shards: the other shards count as finished elsewhere. A directory SRC is read in place (a shared
    filesystem); a Hub SRC's files are downloaded by the task alone into a temporary folder on its node, a few at a
-   time (``streaming.ShardStream``), and deleted once converted. The shards go into OUT's staging folder (shared
+   time (``streaming.StreamFeeder``), and deleted once converted. The shards go into OUT's staging folder (shared
    filesystem), or, with ``--to-hub``, into a temporary folder from which the task uploads them itself
    (``preupload_lfs_files``) and deletes them. A task returns only names, sizes, sha256 and row findings (and the
    upload's ``CommitOperationAdd``, its content freed).
@@ -34,13 +34,23 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import ClusterError, ExpqError, HubError, HubOfflineError, Interrupted, UsageError
-from .plan import Plan
-from .writer import OutputError
+from .conversion import (ConvertReport, check_unchanged, command_line, keep_or_discard, make_report, plan_conversion,
+                         run_settings, source_stamps, write_side_files)
+from .errors import ClusterError, ExpqError, HubError, HubOfflineError, Interrupted, UsageError, resumable
+from .interrupts import StopSignal, stop_on_signals
+from .manifest import Manifest
+from .pipeline import RunStats
+from .plan import JobKind, Plan
+from .options import is_repo_id
+from .source import local_identity, resolve_source
+from .streaming import StreamFeeder, streamed
+from .version import __version__
+from .writer import OutputDir, placeholder_shard
 
 MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
 MAX_FILES_PER_COMMIT = 100  # --to-hub: more files than this are committed in several commits, the small files last
@@ -107,11 +117,12 @@ def task_groups(plan: Plan, skip: set[int] = frozenset()) -> list[TaskGroup]:
             continue
         mine = set(ks)
         jobs = [j for j in plan.jobs if any(o.shard in mine for o in j.outputs)]
-        files = tuple(dict.fromkeys(p.file for j in jobs for p in j.source.parts))
-        costs = [j.source.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in jobs if j.kind != "copy"]
-        biggest = max((j.source.nbytes_stored for j in jobs if j.kind != "copy"), default=0)
+        files = tuple(dict.fromkeys(p.file for j in jobs for p in j.tensor.parts))
+        work = [j for j in jobs if j.kind is not JobKind.COPY]  # read into memory (a copy goes file to file)
+        costs = [j.tensor.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in work]
+        biggest = max((j.tensor.nbytes_stored for j in work), default=0)
         memory = TASK_BASE_MEMORY + min(PIPELINE_BYTES, sum(costs)) + 4 * biggest
-        groups.append(TaskGroup(tuple(ks), files, sum(j.source.nbytes_stored for j in jobs), memory))
+        groups.append(TaskGroup(tuple(ks), files, sum(j.tensor.nbytes_stored for j in jobs), memory))
     return sorted(groups, key=lambda g: (-g.bytes_in, g.shards))
 
 
@@ -137,19 +148,19 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
     names = [plan.shard_names[k] for k in shards]
     out = ShardFolder(folder, names, plan.shard_names)
     mine = set(shards)
-    elsewhere = {i: _NO_ROWS for i, j in enumerate(plan.jobs)
-                 if j.kind == "quantize" and not any(o.shard in mine for o in j.outputs)}
+    elsewhere = {i: _NO_FINDINGS for i, j in enumerate(plan.jobs)
+                 if j.kind is JobKind.QUANTIZE and not any(o.shard in mine for o in j.outputs)}
     shard_set = ShardSet(plan, out, fsync=fsync)
     try:
         stats = run_plan(plan, shard_set, devices, allow_nonfinite=allow_nonfinite, done_jobs=elsewhere,
                          feeder=feeder, on_progress=on_progress)
     finally:
         shard_set.close_all()
-    rows = {i: r for i, r in stats.by_job.items() if i not in elsewhere}
-    return [ShardResult(n, out.records[n]["size"], out.records[n]["sha256"]) for n in names], rows
+    findings = {i: f for i, f in stats.by_job.items() if i not in elsewhere}
+    return [ShardResult(n, out.records[n]["size"], out.records[n]["sha256"]) for n in names], findings
 
 
-_NO_ROWS = {"zero": 0, "underflow": 0, "nonfinite": 0, "underflow_examples": [], "nonfinite_examples": []}
+_NO_FINDINGS = {"zero": 0, "underflow": 0, "nonfinite": 0, "underflow_examples": [], "nonfinite_examples": []}
 
 
 def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict | None, device: str,
@@ -157,25 +168,23 @@ def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict 
     """One Ray task: ``write_shards`` of its group, reading a directory SRC in place or downloading its Hub files
     into a temporary folder; writing into ``dest`` (OUT's staging folder) or, with ``upload``, into a temporary
     folder whose shards it uploads and deletes."""
-    from .streaming import ShardStream
-
     with tempfile.TemporaryDirectory(prefix="expq-ray-") as tmp:
         feeder = None
         if listing is not None:
             src = Path(tmp) / "src"
             src.mkdir()
             plan = dataclasses.replace(plan, source=dataclasses.replace(plan.source, root=src))
-            feeder = ShardStream(listing, src, None)
+            feeder = StreamFeeder(listing, src, None)
         folder = Path(dest) if dest is not None else Path(tmp) / "out"
         if dest is None:
             folder.mkdir()
-        results, rows = write_shards(plan, list(group.shards), folder, device=device,
-                                     allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
-                                     on_progress=_fault_hook(fault))
+        results, findings = write_shards(plan, list(group.shards), folder, device=device,
+                                         allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
+                                         on_progress=_fault_hook(fault))
         if upload is not None:
             for r, op in zip(results, _upload_shards(folder, [r.name for r in results], **upload)):
                 r.operation = op
-    return results, rows
+    return results, findings
 
 
 def _fault_hook(spec: str) -> Callable[[int, int], None] | None:
@@ -231,8 +240,6 @@ def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, 
 
 
 def _identity_task(source) -> list[list]:
-    from .api import local_identity
-
     return local_identity(source)
 
 
@@ -317,7 +324,7 @@ def _task_device(device: str) -> str:
 
 
 def source_identity(ray, source) -> list[list]:
-    """``api.local_identity`` of a directory SRC, computed by a task (the driver reads no weight byte)."""
+    """``source.local_identity`` of a directory SRC, computed by a task (the driver reads no weight byte)."""
     remote = ray.remote(_identity_task).options(num_cpus=1, max_retries=MAX_RETRIES)
     return _get(ray, remote.remote(source), "the source identity")
 
@@ -343,7 +350,7 @@ def _task_failure(e: BaseException, what: str) -> BaseException:
                            f"{cause if expq_cause else _first_line(cause)}")
         if expq_cause:
             err.exit_code = cause.exit_code
-        err.resumable = not expq_cause or isinstance(cause, RESUMABLE)
+        err.resumable = not expq_cause or resumable(cause)
         return err
     if isinstance(e, rex.RayError):  # the worker or its node died (after the retries), out of memory...
         return ClusterError(f"the Ray task writing {what} failed after {MAX_RETRIES} retries: {_first_line(e)}")
@@ -352,14 +359,12 @@ def _task_failure(e: BaseException, what: str) -> BaseException:
 
 TRANSIENT = (HubOfflineError, ConnectionError, TimeoutError)
 """Errors a task is retried on (the network); any other error is final."""
-RESUMABLE = (HubError, Interrupted, OutputError, OSError)
-"""Causes after which OUT's staging folder and journal stay for a re-run (as ``api.resumable``); after the others
-(a NaN row, a corrupt source) they are removed, as without Ray."""
 
 
 def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, listing, upload: dict | None,
-              device: str, allow_nonfinite: bool, fsync: bool, stop, on_result: Callable) -> None:
-    """Submit one task per group and hand each result to ``on_result(group, results, rows)`` as it arrives.
+              device: str, allow_nonfinite: bool, fsync: bool, stop: StopSignal, on_result: Callable) -> None:
+    """Submit one task per group and hand each result to ``on_result(group, results, findings)`` as it arrives
+    (``findings``: the row findings of the task's quantize jobs, job index -> dict).
 
     Raises:
         ClusterError: a task failed (after its retries); the others are cancelled, and have ended when this
@@ -385,10 +390,10 @@ def run_tasks(ray, plan: Plan, groups: list[TaskGroup], *, dest: Path | None, li
                 ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             for ref in ready:
                 g = pending.pop(ref)
-                results, rows = _get(ray, ref, ", ".join(g.names(plan)))
-                on_result(g, results, rows)
+                results, findings = _get(ray, ref, ", ".join(g.names(plan)))
+                on_result(g, results, findings)
             if stop.is_set():
-                raise Interrupted(getattr(stop, "signum", signal.SIGINT))
+                raise stop.interrupted()
     finally:
         _stop_tasks(ray, list(pending))
 
@@ -410,21 +415,145 @@ def _stop_tasks(ray, refs: list) -> None:
             ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S, fetch_local=False)
 
 
-# --- the Hub side of --to-hub ----------------------------------------------------------------------------------------
-def check_target(repo_id: str, token: str | None) -> str:
-    """The token for ``--to-hub`` (``token``, ``HF_TOKEN`` or the login), once the repo id is checked.
+# --- the driver's steps ----------------------------------------------------------------------------------------------
+def convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool, format: str, dtype: str,
+                   device: str, revision: str | None, max_shard_size, overwrite: bool, layout, allow_nonfinite: bool,
+                   token: str | None, fsync: bool, allow_random_experts: bool, on_plan, on_progress,
+                   t0: float) -> ConvertReport:
+    """``api.convert`` with ``ray`` (its options, checked already): connect; open the source from headers only;
+    plan; the source's identity (by a task, for a directory); then into OUT (``_RayRun.into_out``) or to the Hub
+    (``_RayRun.to_hub``).
 
     Raises:
-        UsageError: not a model repo id (namespace/name). PushError: no token.
+        as ``api.convert``; ClusterError: the cluster cannot be reached, or a task failed after its retries.
     """
-    from .hub import hub_token
-    from .source import is_repo_id
+    from .hub import hub_token as login_token
 
-    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
-        raise UsageError(f"--to-hub {repo_id!r} is not a model repo id (namespace/name)")
-    return hub_token(token)
+    hub_token = login_token(token) if to_hub is not None else None
+    with contextlib.ExitStack() as stack:
+        here = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="expq-driver-"))) / "out" \
+            if to_hub is not None else Path(out)
+        ray = stack.enter_context(connected(address))
+        source, listing = stack.enter_context(_headers_only(src, here, revision=revision, token=token or hub_token))
+        plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
+                               allow_random_experts=allow_random_experts)
+        stamps = source_stamps(source) if listing is None else {}  # before hashing: a write while it hashes shows
+        identity = source_identity(ray, source) if listing is None else None
+        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=identity)
+        run = _RayRun(ray, plan, settings, listing, device=device, allow_nonfinite=allow_nonfinite, fsync=fsync,
+                      command=command_line(plan, dtype, allow_nonfinite, layout is not None), on_plan=on_plan,
+                      on_progress=on_progress)
+        run.stamps = stamps
+        if to_hub is not None:
+            return run.to_hub(here, to_hub, hub_token, private=private, t0=t0)
+        return run.into_out(here, overwrite=overwrite, src_root=None if listing is not None else source.root, t0=t0)
 
 
+@contextlib.contextmanager
+def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
+    """(the Source, the Hub listing the tasks download from, or None for a directory), reading no weight byte: a
+    directory's headers, or a Hub repo's by ranged reads (``streaming.streamed``; its folder holds the side files
+    only)."""
+    p = Path(src).expanduser()
+    if p.exists() or not is_repo_id(str(src)):  # a directory, or the same error a plain convert gives
+        yield resolve_source(p if p.exists() else src, revision=revision), None
+        return
+    if token is None:
+        from huggingface_hub import get_token
+
+        token = get_token()  # the tasks, on other machines, read with the driver's token
+    with streamed(str(src), out, revision=revision, token=token, keep=resumable) as (source, feeder):
+        yield source, feeder.listing
+
+
+class _RayRun:
+    """What the two ways of ending a ``--ray`` conversion share: the plan, its settings, the tasks' options, and
+    what the tasks have sent back (``findings``: row findings by job index; ``tasks``: each task's shards)."""
+
+    def __init__(self, ray, plan: Plan, settings: dict, listing, *, device: str, allow_nonfinite: bool, fsync: bool,
+                 command: str, on_plan, on_progress):
+        self.ray, self.plan, self.settings, self.listing = ray, plan, settings, listing
+        self.device, self.allow_nonfinite, self.fsync, self.command = device, allow_nonfinite, fsync, command
+        self.on_plan, self.on_progress = on_plan, on_progress
+        self.findings: dict[int, dict] = {}
+        self.stamps: dict[str, tuple] = {}  # the directory source's files as hashed (``check_unchanged``)
+        self.tasks: list[list[str]] = []
+        self.finished = 0
+
+    def _run(self, groups: list[TaskGroup], *, dest: Path | None, upload: dict | None, on_shard) -> None:
+        def on_result(group, results, findings):
+            self.findings.update(findings)
+            self.tasks.append([r.name for r in results])
+            for r in results:
+                on_shard(r, findings)
+            self.finished += len(results)
+            if self.on_progress:
+                self.on_progress(group.bytes_in, self.finished)
+
+        with stop_on_signals() as stop:
+            if self.on_plan:
+                self.on_plan(self.plan)
+            done_bytes = self.plan.bytes_in - sum(g.bytes_in for g in groups)
+            if self.on_progress and done_bytes:
+                self.on_progress(done_bytes, self.finished)
+            run_tasks(self.ray, self.plan, groups, dest=dest, listing=self.listing, upload=upload,
+                      device=self.device, allow_nonfinite=self.allow_nonfinite, fsync=self.fsync, stop=stop,
+                      on_result=on_result)
+
+    def _report(self, outdir: OutputDir, man: Manifest, t0: float, **changes) -> ConvertReport:
+        rep = make_report(self.plan, outdir, man, [f"ray ({self.device})"], time.perf_counter() - t0)
+        return dataclasses.replace(rep, ray_tasks=self.tasks, **changes)
+
+    def into_out(self, out: Path, *, overwrite: bool, src_root: Path | None, t0: float) -> ConvertReport:
+        """Tasks write into OUT's staging folder; each result goes into the journal as it comes (a re-run keeps
+        those shards); then the small files and the one commit."""
+        plan = self.plan
+        outdir = OutputDir(out, fingerprint=self.settings, overwrite=overwrite, src_root=src_root)
+        if outdir.up_to_date():
+            outdir.finish_up_to_date()
+            return self._report(outdir, Manifest.load(outdir.out), t0, up_to_date=True)
+        outdir.start()
+        self.findings = dict(outdir.done_jobs)
+        self.finished = len(outdir.kept)
+        kept = {k for k, n in enumerate(plan.shard_names) if n in outdir.kept}
+        try:
+            self._run(task_groups(plan, skip=kept), dest=outdir.staging, upload=None,
+                      on_shard=lambda r, findings: outdir.record(r.name, jobs=findings, sha256=r.sha256))
+            man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
+                                   self.settings, self.command)
+            check_unchanged(plan.source, self.stamps)
+            outdir.commit()
+        except BaseException as e:
+            keep_or_discard(e, outdir, self.finished, len(plan.shard_names))
+            raise
+        return self._report(outdir, man, t0)
+
+    def to_hub(self, here: Path, repo_id: str, token: str, *, private: bool, t0: float) -> ConvertReport:
+        """Tasks upload their shards; the driver lays down the small files beside sparse stand-ins of the shards
+        (real headers and sizes, for the card), commits them locally, writes the card, and publishes it all in one
+        commit."""
+        from .hub import model_card
+
+        plan = self.plan
+        prepare_repo(repo_id, token, private=private)
+        results: dict = {}
+        self._run(task_groups(plan), dest=None, upload=upload_settings(repo_id, token),
+                  on_shard=lambda r, findings: results.__setitem__(r.name, r))
+        outdir = OutputDir(here, fingerprint=self.settings)
+        outdir.start()
+        for k, name in enumerate(plan.shard_names):
+            placeholder_shard(plan, k, outdir.path(name))
+            outdir.record(name, sha256=results[name].sha256)
+        man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
+                               self.settings, self.command)
+        outdir.commit()
+        (here / "README.md").write_text(model_card(here, repo_id))
+        urls, _ = publish(here, plan, results, repo_id, token,
+                          commit_message=f"Upload {plan.format.name} checkpoint made with expq {__version__}")
+        return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)
+
+
+# --- the Hub side of --to-hub ----------------------------------------------------------------------------------------
 def prepare_repo(repo_id: str, token: str, *, private: bool) -> None:
     """Create the target model repo if needed (before the tasks upload into it), as ``expq push`` does."""
     from huggingface_hub import HfApi

@@ -35,6 +35,20 @@ def cli_options():
         _CLI = before
 
 
+def scrub_tokens(text: str, *tokens: str | None) -> str:
+    """``text`` with each of ``tokens`` (None and empty ones skipped) replaced by ``***``: a message that quotes a
+    server's answer or a URL never shows a token.
+
+    Example:
+        >>> scrub_tokens("401 for hf_abc at /api", "hf_abc", None)
+        '401 for *** at /api'
+    """
+    for t in tokens:
+        if t:
+            text = text.replace(t, "***")
+    return text
+
+
 class ExpqError(Exception):
     """A user-facing error. ``str(err)`` is one line that names where the problem is.
 
@@ -43,6 +57,8 @@ class ExpqError(Exception):
     """
 
     exit_code = 1
+    resumable = False
+    """Whether the same command resumes after this error (see ``resumable``)."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
                  expert: int | None = None, row: int | None = None, hint: str | None = None):
@@ -121,6 +137,8 @@ class ClusterError(ExpqError):
 class Interrupted(ExpqError):
     """The run was stopped by a signal (SIGINT, SIGTERM, SIGHUP): exit status 128 + the signal number."""
 
+    resumable = True
+
     def __init__(self, signum: int, message: str | None = None, **where):
         import signal
 
@@ -133,7 +151,9 @@ class Interrupted(ExpqError):
 class HubError(SourceError):
     """A Hub repo id could not be turned into a local snapshot. ``repo`` and ``revision`` say which; ``file`` is the
     path inside the repo (or the cache) where one file is the problem. The line starts ``repo ID (revision REV)``
-    and never holds a token."""
+    and never holds a token. Resumable: a re-run finds what was downloaded before."""
+
+    resumable = True
 
     def __init__(self, message: str, *, repo: str, revision: str | None = None, file: str | None = None,
                  hint: str | None = None):
@@ -180,3 +200,12 @@ class IncompleteCacheError(HubOfflineError):
     be resolved because its ``refs/`` entry is missing (exit status 7)."""
 
     exit_code = 7
+
+
+def resumable(e: BaseException) -> bool:
+    """Whether the same command resumes after ``e``, so that the staging folder, the journal and a ``--stream``
+    folder are kept for it (after any other error they are removed): an interrupt (``Interrupted``, or a
+    ``KeyboardInterrupt`` that arrived before the signal handlers were in place), a failed write (``OSError``,
+    ``OutputError``: disk full...), a Hub failure (``HubError``), or an error whose ``resumable`` says so (a
+    ``ClusterError`` says whether its task's cause was)."""
+    return isinstance(e, (KeyboardInterrupt, OSError)) or bool(getattr(e, "resumable", False))

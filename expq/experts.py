@@ -7,8 +7,9 @@ everything that can be checked before a byte is written; ``ExpertMap.from_checkp
 checkpoint from the layout and config it carries. Every other module (plan, pipeline, checkpoint, verify, runtime,
 hub) asks this one; none re-derives any of it.
 
-vLLM's experts_int8 layout, which ``w13_rows`` serves: ``w13`` [E, 2I, H] holds each expert's gate rows, then its up
-rows; ``w2`` [E, H, I] the down projection (vLLM ``FusedMoE``).
+vLLM's experts_int8 layout, whose row order ``w13_rows`` is the one home of: ``w13`` [E, 2I, H] holds each expert's
+gate rows, then its up rows (interleaved for some activations); ``w2`` [E, H, I] the down projection (vLLM
+``FusedMoE``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,26 @@ from .errors import LayoutError
 from .layouts import PROJECTIONS, Layout, config_lookup, moe_layer_indices, shared_facts
 
 
-def w13_rows(proj: str, intermediate: int) -> slice:
-    """Rows of ``w13`` [E, 2I, H] holding ``proj`` ("gate": the first I, "up": the next I), as vLLM fuses them."""
-    return slice(0, intermediate) if proj == "gate" else slice(intermediate, 2 * intermediate)
+def w13_rows(proj: str, intermediate: int, *, interleaved: bool = False) -> slice:
+    """The rows of one expert's ``w13`` [2I, ...] (codes, scales or bias) that hold ``proj`` ("gate" or "up"): the
+    first ``intermediate`` rows and the next ones, as vLLM fuses them; with ``interleaved`` (what vLLM's layer holds
+    for an activation that reads gate and up alternating, ``swigluoai``), the even rows and the odd ones.
+
+    Example:
+        >>> w13_rows("up", 4), w13_rows("up", 4, interleaved=True)
+        (slice(4, 8, None), slice(1, 8, 2))
+    """
+    first = proj == "gate"
+    if interleaved:
+        return slice(0 if first else 1, 2 * intermediate, 2)
+    return slice(0, intermediate) if first else slice(intermediate, 2 * intermediate)
+
+
+def gate_then_up(interleaved: torch.Tensor) -> torch.Tensor:
+    """Per-expert w13 rows [E, 2I, ...] (codes, scales or bias) held interleaved (gate 0, up 0, gate 1, ...) as a
+    new tensor in the gate-then-up order of ``w13_rows``: row order only, every value kept."""
+    inter = interleaved.shape[1] // 2
+    return torch.cat([interleaved[:, w13_rows(p, inter, interleaved=True)] for p in ("gate", "up")], dim=1)
 
 
 class TensorLike(Protocol):
@@ -235,13 +253,18 @@ class ExpertMap:
         base = f"{self.prefix}{self.layout.layers}.{layer}.{self.layout.module}."
         return tuple(base + b for b in self.layout.expert_biases)
 
-    def w13_rows(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """A fused gate_up per-row tensor [E, 2I] (e.g. a bias) in vLLM's w13 row order (gate rows, then up rows):
-        de-interleaved where the family interleaves them."""
+    def in_w13_order(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """A fused gate_up per-row tensor [E, 2I] of the source's row order (e.g. a bias) in vLLM's w13 row order
+        (``w13_rows``: gate rows, then up rows): de-interleaved where the family stores them interleaved."""
         st = self.layout.stacked.get("gate_up")
-        if st is not None and st.order == "interleaved":
-            return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
-        return gate_up
+        return gate_then_up(gate_up) if st is not None and st.order == "interleaved" else gate_up
+
+    def is_runtime_expert_weight(self, numel: int) -> bool:
+        """Whether a parameter of ``numel`` elements of transformers' in-memory experts module (layout ``[runtime]
+        module``) holds routed-expert weight matrices: at least experts x intermediate x hidden elements (3-D
+        stacked, a fused gate_up, or DBRX's 2-D [E*I, H]), where a bias or any other tensor of that module is
+        smaller."""
+        return numel >= self.num_experts * (self.intermediate_size or 1) * (self.hidden_size or 1)
 
     def linear_modules(self, tensors: Mapping[str, TensorLike]) -> list[str]:
         """Modules that are linear layers and not routed experts (a 2-D ``.weight``), sorted: what a format's

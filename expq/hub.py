@@ -20,12 +20,12 @@ from pathlib import Path
 from .version import __version__
 from .checkpoint import ConvertedCheckpoint, open_checkpoint
 from .engines.clients import stock_transformers_misloads
-from .errors import ExpqError, UsageError, option
+from .errors import ExpqError, UsageError, option, scrub_tokens
+from .io import files
 from .io.hashing import git_blob_id, sha256_file
 from .layouts import shared_facts
-from .manifest import MANIFEST, Manifest
-from .io import files
-from .options import check_repo_id
+from .manifest import DECODED_OTHERS, MANIFEST, Manifest
+from .options import check_repo_id, format_size
 from .writer import reading
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
@@ -159,13 +159,6 @@ def _checkout_remote(root: Path) -> tuple[str | None, str | None]:
     return None, head
 
 
-def _human(n: float) -> str:
-    """Decimal sizes, as the Hub shows them (rich's own formatter)."""
-    from rich.filesize import decimal
-
-    return decimal(int(n), precision=2)
-
-
 @dataclass(frozen=True)
 class Origin:
     """Where a converted checkpoint came from, as its card says: the base model's repo id (None when unknown), the
@@ -289,11 +282,23 @@ def _card_contents(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
             f"| architecture | `{p.architecture}` (`{p.model_type}`, {p.layout} layout) |",
             f"| routed experts | {len(p.moe_layers)} MoE layers x {p.routed_experts_per_layer} experts x 3 "
             f"projections (gate, up, down) = {p.matrices_quantized} matrices, int8 |",
-            f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: "
-            f"{_kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)} |",
-            f"| experts | {_human(p.bytes_quantized_in)} -> {_human(m.quantized_bytes_out)} |",
-            f"| whole checkpoint | {_human(p.bytes_in)} -> {_human(p.bytes_out)} |",
+            *_card_kept_rows(ck, m),
+            f"| experts | {format_size(p.bytes_quantized_in)} -> {format_size(m.quantized_bytes_out)} |",
+            f"| whole checkpoint | {format_size(p.bytes_in)} -> {format_size(p.bytes_out)} |",
             f"| zero rows / underflowed scales | {m.rows.zero} / {m.rows.underflow} |"]
+
+
+def _card_kept_rows(ck: ConvertedCheckpoint, m: Manifest) -> list[str]:
+    """The card's rows for the tensors not quantized: kept byte-identical, and, from a quantized source, those
+    decoded to the compute dtype."""
+    p = m.plan
+    kinds = _kept_summary(ck, p.dense_layers, p.extra_expert_layers_copied)
+    decoded = m.decoded.count(DECODED_OTHERS) if m.decoded is not None else 0
+    if not decoded:
+        return [f"| kept as they were (byte-identical) | {p.source_tensors_copied} tensors: {kinds} |"]
+    return [f"| not quantized | {p.source_tensors_copied} tensors: {kinds} |",
+            f"| of which kept as they were (byte-identical) | {p.source_tensors_copied - decoded} tensors |",
+            f"| of which decoded from {m.decoded.source_format} to {p.compute_dtype} | {decoded} tensors |"]
 
 
 def _card_how_made(ck: ConvertedCheckpoint, m: Manifest, name: str, how: Install) -> list[str]:
@@ -406,10 +411,6 @@ def hub_token(token: str | None) -> str:
     return tok
 
 
-def _scrub(msg: str, token: str | None) -> str:
-    return msg.replace(token, "***") if token else msg
-
-
 def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          create_pr: bool = False, commit_message: str | None = None, token: str | None = None,
          skip_verify: bool = False, dry_run: bool = False, device: str = "auto",
@@ -473,7 +474,7 @@ def _push(out: Path, repo_id: str, *, private: bool, revision: str | None, creat
                     commit_message=commit_message or f"Upload {ck.format.name} checkpoint made with expq {__version__}",
                     token=tok)
         except ExpqError as e:
-            e.message = _scrub(e.message, tok)
+            e.message = scrub_tokens(e.message, tok)
             Exception.__init__(e, e._line())  # the line printed is the scrubbed one
             raise
         except Exception as e:  # noqa: BLE001
@@ -538,7 +539,7 @@ def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     status = getattr(getattr(e, "response", None), "status_code", None)
-    text = _scrub(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
+    text = scrub_tokens(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
     resume = "re-run the same command to resume; finished files are not uploaded again"
     if isinstance(e, RepositoryNotFoundError) or status == 404:
         return PushError(f"repo {repo_id} not found or not accessible with this token: {text}", exit_code=3)

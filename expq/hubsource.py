@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
-                     IncompleteCacheError, SourceError)
+                     IncompleteCacheError, SourceError, scrub_tokens)
 from .io.hashing import git_blob_id, sha256_file
 from .io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
 from .io.safetensors import Shard, header_length, parse_header
@@ -401,7 +401,8 @@ def _classify(e: Exception, repo: str, rev: str, token: str | bool | None) -> st
     if isinstance(e, OfflineModeIsEnabled):
         return OFFLINE
     if isinstance(e, HfHubHTTPError) and status is not None:
-        said = _scrub(getattr(e, "server_message", None) or "", token, get_token)
+        said = _one_line(scrub_tokens(getattr(e, "server_message", None) or "",
+                                      token if isinstance(token, str) else None, get_token()))
         if status == 401:
             raise HubAuthError("the Hub rejected the token (401 invalid credentials)", **where,
                                hint="check --token, HF_TOKEN or hf auth login; the token is not shown") from None
@@ -427,9 +428,5 @@ def _url_path(e: Exception) -> str | None:
     return tail.split("/", 1)[1] if "/" in tail else None
 
 
-def _scrub(text: str, token: str | bool | None, get_token) -> str:
-    """``text`` on one line, without any token it might echo."""
-    for t in (token if isinstance(token, str) else None, get_token()):
-        if t:
-            text = text.replace(t, "***")
+def _one_line(text: str) -> str:
     return " ".join(text.split())

@@ -68,9 +68,9 @@ class PlanRecord(_Record):
     moe_intermediate_size: int | None
     matrices_quantized: int
     source_tensors_quantized: int
-    source_tensors_copied: int
+    source_tensors_copied: int  # tensors not quantized: copied byte for byte, or decoded (see ``decoded``)
     bytes_quantized_in: int
-    bytes_copied: int
+    bytes_copied: int  # source bytes of the tensors not quantized
     bytes_in: int
     bytes_out: int
     output_shards: int
@@ -84,13 +84,23 @@ class RowsRecord(_Record):
     nonfinite_examples: list[str]
 
 
+DECODED_EXPERTS = "routed experts"
+DECODED_OTHERS = "other tensors"
+"""The kinds of ``DecodedRecord.tensors_decoded``'s keys (``"<kind>: <how>"``): routed experts, decoded then
+quantized; other tensors, written decoded (not quantized)."""
+
+
 class DecodedRecord(_Record):
     """A quantized source: its format, its ``quantization_config`` (not carried into the output's config) and how
-    many tensors of each kind were decoded to the compute dtype."""
+    many tensors of each kind were decoded to the compute dtype (``"<kind>: <how>"`` -> count)."""
 
     source_format: str
     source_quantization_config: dict[str, Any]
     tensors_decoded: dict[str, int]
+
+    def count(self, kind: str) -> int:
+        """Tensors decoded of ``kind`` (``DECODED_EXPERTS`` or ``DECODED_OTHERS``)."""
+        return sum(n for key, n in self.tensors_decoded.items() if key.startswith(kind + ": "))
 
 
 class FileRecord(_Record):
@@ -144,7 +154,7 @@ class Manifest(_Record):
                             underflow_examples=[str(n) for n in stats.underflow_examples],
                             nonfinite_examples=[str(n) for n in stats.nonfinite_examples]),
             side_files=list(src.side_files), skipped_files=list(src.skipped_files), source_card=source_card,
-            quantized_bytes_out=sum(o.nbytes for j in plan.jobs if j.kind == "quantize" for o in j.outputs),
+            quantized_bytes_out=plan.quantized_bytes_out,
             decoded=_decoded(plan), settings=settings, files=files)
 
     def to_json(self) -> str:

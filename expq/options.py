@@ -14,6 +14,7 @@ from . import formats
 from .errors import UsageError
 
 AUTO = "auto"  # the default of --dtype and --device (and of --format: formats.AUTO)
+DEFAULT_MAX_SHARD = "5GB"  # the default --max-shard-size (Hugging Face's own default shard size)
 # Compute dtypes by name, and the other spellings accepted for them (scheme.COMPUTE_DTYPES maps names to torch).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -45,6 +46,18 @@ def parse_size(s: str | int) -> int:
     if not val > 0 or val == float("inf"):
         raise ValueError(f"size must be positive: {s!r}")
     return int(val * mult)
+
+
+def format_size(n: float) -> str:
+    """A size in bytes as people read it: decimal units as the Hub shows them, two decimals (rich's formatter).
+
+    Example:
+        >>> format_size(5 * 10**9), format_size(1234)
+        ('5.00 GB', '1.23 kB')
+    """
+    from rich.filesize import decimal
+
+    return decimal(int(n), precision=2)
 
 
 def is_repo_id(s: str) -> bool:
@@ -103,6 +116,8 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
         raise UsageError("give OUT or --to-hub, not both")
     if to_hub is None and out is None:
         raise UsageError("missing OUT (or --to-hub REPO with --ray)")
+    if to_hub is not None:
+        check_repo_id(to_hub, "--to-hub")
     local = Path(src).expanduser()
     if stream and local.exists():
         kind = "directory" if local.is_dir() else "file"
@@ -110,10 +125,15 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
                          file=str(src))
 
 
-def check_repo_id(repo_id: str) -> None:
-    """A model repo id, ``namespace/name``."""
-    if repo_id.startswith(("datasets/", "spaces/")) or repo_id.count("/") != 1 or not is_repo_id(repo_id):
-        raise UsageError(f"{repo_id!r} is not a model repo id (namespace/name)")
+def is_model_repo_id(s: str) -> bool:
+    """Whether ``s`` names a Hub model repo to publish to: ``namespace/name`` (not ``datasets/...``, ``spaces/...``)."""
+    return not s.startswith(("datasets/", "spaces/")) and s.count("/") == 1 and is_repo_id(s)
+
+
+def check_repo_id(repo_id: str, flag: str | None = None) -> None:
+    """A model repo id, ``namespace/name`` (``flag``: the option that gave it, named in the message)."""
+    if not is_model_repo_id(repo_id):
+        raise UsageError(f"{flag + ' ' if flag else ''}{repo_id!r} is not a model repo id (namespace/name)")
 
 
 def check_inspect(src, *, format: str, dtype: str, max_shard_size: str | int) -> None:

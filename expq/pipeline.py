@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -31,9 +30,10 @@ from typing import Callable, Protocol
 import torch
 
 from . import parallel
-from .errors import Interrupted, NonFiniteError
+from .errors import NonFiniteError
+from .interrupts import StopSignal
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
-from .plan import Job, OutTensor, Plan
+from .plan import Job, JobKind, OutTensor, Plan
 from .scheme import quantize_matrix
 from .writer import OutputError, ShardSet
 
@@ -161,7 +161,7 @@ class _Run:
     """What the pipelines of one ``run_plan`` share: the plan, the shards, the unit queue, the stop flags, the
     findings, and the per-file reader counts for the feeder."""
 
-    def __init__(self, plan: Plan, shards: ShardSet, stats: RunStats, allow_nonfinite: bool, stop: threading.Event,
+    def __init__(self, plan: Plan, shards: ShardSet, stats: RunStats, allow_nonfinite: bool, stop: StopSignal,
                  feeder: SourceFeeder | None, on_progress: Callable[[int, int], None] | None):
         self.plan, self.shards, self.stats = plan, shards, stats
         self.allow_nonfinite, self.stop, self.feeder, self.on_progress = allow_nonfinite, stop, feeder, on_progress
@@ -198,7 +198,7 @@ class _Run:
     def job_done(self, job: Job) -> None:
         if self.feeder is None:
             return
-        for f in {p.file for p in job.source.parts}:
+        for f in {p.file for p in job.tensor.parts}:
             with self.lock:
                 self.readers[f] -= 1
                 last = self.readers[f] == 0
@@ -251,16 +251,16 @@ class _DevicePipeline:
             except queue.Empty:
                 break
             for index, job in unit:
-                item = _Item(index, job, cost=0 if job.kind == "copy" else
-                             job.source.nbytes_stored + sum(o.nbytes for o in job.outputs))
+                item = _Item(index, job, cost=0 if job.kind is JobKind.COPY else
+                             job.tensor.nbytes_stored + sum(o.nbytes for o in job.outputs))
                 self.budget.acquire(item.cost)
                 if run.feeder is not None:
-                    for f in dict.fromkeys(p.file for p in job.source.parts):
+                    for f in dict.fromkeys(p.file for p in job.tensor.parts):
                         run.feeder.wait(f)
                 if run.halted():
                     raise _Halt
-                if job.kind != "copy":
-                    item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.source.parts}
+                if job.kind is not JobKind.COPY:
+                    item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.tensor.parts}
                 run.put(self.read_q, item)
         run.put(self.read_q, _END)
 
@@ -271,10 +271,10 @@ class _DevicePipeline:
             self.stream = torch.cuda.Stream(self.device)
         while (item := run.get(self.read_q)) is not _END:
             job = item.job
-            if job.kind == "decode":
+            if job.kind is JobKind.DECODE:
                 item.writes = [(job.outputs[0], self._logical(item))]
                 _check_decoded(job, item.writes[0][1], run.allow_nonfinite)
-            elif job.kind == "quantize":
+            elif job.kind is JobKind.QUANTIZE:
                 with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
                     self._quantize(item)
             item.parts = None
@@ -282,7 +282,7 @@ class _DevicePipeline:
         run.put(self.write_q, _END)
 
     def _logical(self, item: _Item) -> torch.Tensor:
-        src = item.job.source
+        src = item.job.tensor
         if not src.decoded:
             return item.parts[src.stored]
         return self.run.plan.source.decoder.decode(src, item.parts.__getitem__)
@@ -322,7 +322,7 @@ class _DevicePipeline:
             if item.rows_found is not None:  # before the writes: the shard the last one closes journals them
                 with run.lock:
                     run.stats.by_job[item.index] = item.rows_found
-            if job.kind == "copy":
+            if job.kind is JobKind.COPY:
                 _run_copy(run.plan, job, run.shards)
             else:
                 for out, x in item.writes:
@@ -332,7 +332,7 @@ class _DevicePipeline:
             self.count += 1
             run.job_done(job)
             if run.on_progress:
-                run.on_progress(job.source.nbytes_stored, len(run.shards.closed))
+                run.on_progress(job.tensor.nbytes_stored, len(run.shards.closed))
 
 
 def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
@@ -342,7 +342,7 @@ def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
         return
     fd, pos = t
     try:
-        copy_bytes(plan.source.root, job.source.stored, fd, pos)
+        copy_bytes(plan.source.root, job.tensor.stored, fd, pos)
     except OSError as e:
         raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
                           tensor=out.name) from None
@@ -352,15 +352,15 @@ def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
 def _check_decoded(job: Job, t: torch.Tensor, allow_nonfinite: bool) -> None:
     if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
-        parts = ", ".join(p.name for p in job.source.parts[1:]) or "its stored values"
+        parts = ", ".join(p.name for p in job.tensor.parts[1:]) or "its stored values"
         raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
-                             file=job.source.file, tensor=job.source.name,
+                             file=job.tensor.file, tensor=job.tensor.name,
                              hint="pass --allow-nonfinite to write it anyway")
 
 
 def _rows_found(job: Job, rep, plan: Plan, allow_nonfinite: bool) -> dict:
     """The job's row findings (JSON-ready); raises NonFiniteError for a NaN/inf row unless allowed."""
-    src, et = job.source, job.expert
+    src, et = job.tensor, job.expert
     rows = et.rows_per_matrix
 
     def note(r: int) -> RowNote:
@@ -405,16 +405,16 @@ def make_units(plan: Plan, todo: list[tuple[int, Job]], largest_first: bool = Tr
     """
     by_file: dict[str, list[tuple[int, Job]]] = {}
     for ij in todo:
-        by_file.setdefault(ij[1].source.file, []).append(ij)
+        by_file.setdefault(ij[1].tensor.file, []).append(ij)
     units = [sorted(u, key=_write_order) for u in by_file.values()]
     if not largest_first:
         return units
-    return sorted(units, key=lambda u: -sum(j.source.nbytes_stored for _, j in u))
+    return sorted(units, key=lambda u: -sum(j.tensor.nbytes_stored for _, j in u))
 
 
 def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow_nonfinite: bool = False,
              on_progress: Callable[[int, int], None] | None = None, done_jobs: dict[int, dict] | None = None,
-             stop: threading.Event | None = None, feeder: SourceFeeder | None = None) -> RunStats:
+             stop: StopSignal | None = None, feeder: SourceFeeder | None = None) -> RunStats:
     """Execute every job of ``plan`` through one pipeline per device in ``devices``, writing into ``shards``.
 
     A job whose outputs all lie in shards an earlier run finished is skipped (for a quantize job, when its row
@@ -425,7 +425,8 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
         on_progress: called (from the write threads) after each job with (source bytes it consumed, shards
             finished); an exception it raises stops the run like any other error.
         done_jobs: row findings of quantize jobs an earlier run finished (job index -> dict).
-        stop: when set (an interrupt), pipelines finish the tensor in hand and stop; ``Interrupted`` is raised.
+        stop: when set (an interrupt: ``interrupts.stop_on_signals``), pipelines finish the tensor in hand and stop;
+            ``Interrupted`` is raised (None: never set).
         feeder: where the source files come from when they are not all on disk (``SourceFeeder``).
 
     Returns:
@@ -438,18 +439,18 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     """
     stats = RunStats(by_job=dict(done_jobs or {}))
     shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
-    run = _Run(plan, shards, stats, allow_nonfinite, stop or threading.Event(), feeder, on_progress)
+    run = _Run(plan, shards, stats, allow_nonfinite, stop or StopSignal(), feeder, on_progress)
     todo = []
     for i, j in enumerate(plan.jobs):
-        if shards.needed(j.outputs) or (j.kind == "quantize" and i not in stats.by_job):
+        if shards.needed(j.outputs) or (j.kind is JobKind.QUANTIZE and i not in stats.by_job):
             todo.append((i, j))
         elif on_progress:
-            on_progress(j.source.nbytes_stored, len(shards.closed))
+            on_progress(j.tensor.nbytes_stored, len(shards.closed))
     units = make_units(plan, todo, largest_first=len(devices) > 1)
     for u in units:
         run.units.put(u)
         for _, j in u:
-            for f in dict.fromkeys(p.file for p in j.source.parts):
+            for f in dict.fromkeys(p.file for p in j.tensor.parts):
                 run.readers[f] = run.readers.get(f, 0) + 1
     pipes = [_DevicePipeline(run, d) for d in devices]
     with cpu_threads(any(d.type == "cpu" for d in devices)):
@@ -461,7 +462,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     if run.errors:
         raise run.errors[0]
     if run.stop.is_set():
-        raise Interrupted(getattr(run.stop, "signum", signal.SIGINT))
+        raise run.stop.interrupted()
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
     return stats.finish()

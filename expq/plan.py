@@ -1,16 +1,18 @@
 """The plan: before any byte is written, what happens to every source tensor and where every output tensor goes.
 
 ``make_plan`` reads as its steps: resolve the layout, build the expert map (every check of the experts against the
-config and the tensors), resolve the compute dtype, pick the output format, check the experts' dtypes, build one job
-per logical source tensor (copy its bytes, decode it, or quantize the routed-expert matrices it holds, with the
-output tensors the format says they become), and cut the outputs into shards at fixed offsets. The pipeline executes
-the jobs; the writer lays down the files.
+config and the tensors; the source decoder refuses routed experts it must not decode), resolve the compute dtype,
+pick the output format, check the experts' dtypes, build one job per logical source tensor (``JobKind``: copy its
+bytes, decode it, or quantize the routed-expert matrices it holds, with the output tensors the format says they
+become), and cut the outputs into shards at fixed offsets. The pipeline executes the jobs; the writer lays down the
+files.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -22,12 +24,12 @@ from .engines.clients import stock_transformers_misloads
 from .formats import AUTO, Format, get_format
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES
 from .layouts import Layout, detect_layout, load_layout, nested_configs
-from .options import parse_size
+from .manifest import DECODED_EXPERTS, DECODED_OTHERS
+from .options import DEFAULT_MAX_SHARD, parse_size
 from .scheme import COMPUTE_DTYPES, resolve_compute_dtype
 from .source import Source
 
 DEFAULT_FORMAT = AUTO  # the family's default format (its layout's [clients] format)
-DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 @dataclass
@@ -44,18 +46,22 @@ class OutTensor:
     value: bytes | None = None
 
 
+class JobKind(StrEnum):
+    """What becomes of a logical source tensor (the value is what ``inspect --tensors`` prints as its action)."""
+
+    COPY = "copy"  # its stored bytes, as they are (byte-identical)
+    DECODE = "decode"  # a quantized non-expert source tensor, written decoded in its logical dtype (not quantized)
+    QUANTIZE = "quantize"  # its routed-expert matrices, each becoming the format's tensors
+
+
 @dataclass
 class Job:
-    """One logical source tensor and what becomes of it.
-
-    ``kind``: ``copy`` (its stored bytes, as they are), ``decode`` (a quantized non-expert source tensor, written
-    decoded in its logical dtype) or ``quantize`` (its routed-expert matrices, each becoming the format's tensors).
-    ``groups``: the output tensors, one group per matrix (a copy or decode job has one group of one), kept together
-    in a shard.
+    """One logical source tensor (``tensor``) and what becomes of it (``kind``). ``groups``: the output tensors,
+    one group per matrix (a copy or decode job has one group of one), kept together in a shard.
     """
 
-    kind: str
-    source: LogicalTensor
+    kind: JobKind
+    tensor: LogicalTensor
     groups: list[list[OutTensor]]
     expert: ExpertTensor | None = None
 
@@ -93,9 +99,29 @@ class Plan:
         archs = self.source.config.get("architectures")
         return archs[0] if isinstance(archs, list) and archs else None
 
+    def tensors_of(self, kind: JobKind) -> list[LogicalTensor]:
+        """The logical source tensors of the jobs of ``kind``, in job order."""
+        return [j.tensor for j in self.jobs if j.kind is kind]
+
     @property
     def copied(self) -> list[LogicalTensor]:
-        return [j.source for j in self.jobs if j.kind != "quantize"]
+        """The tensors copied byte for byte."""
+        return self.tensors_of(JobKind.COPY)
+
+    @property
+    def decoded(self) -> list[LogicalTensor]:
+        """The tensors of a quantized source written decoded, not quantized (not byte-identical to the source)."""
+        return self.tensors_of(JobKind.DECODE)
+
+    @property
+    def unquantized(self) -> list[LogicalTensor]:
+        """Every tensor not quantized: copied byte for byte or decoded, in job order."""
+        return [j.tensor for j in self.jobs if j.kind is not JobKind.QUANTIZE]
+
+    @property
+    def quantized_bytes_out(self) -> int:
+        """Output bytes of the format's tensors for the routed experts."""
+        return sum(o.nbytes for j in self.jobs if j.kind is JobKind.QUANTIZE for o in j.outputs)
 
     @property
     def outputs(self) -> list[OutTensor]:
@@ -116,7 +142,7 @@ class Plan:
     def summary(self) -> dict:
         """A JSON-ready description (what ``expq inspect --json`` prints)."""
         em = self.experts
-        q_src = [j.source for j in self.jobs if j.kind == "quantize"]
+        q_src = self.tensors_of(JobKind.QUANTIZE)
         return {
             "source": self.source.id,
             "revision": self.source.revision,
@@ -142,11 +168,13 @@ class Plan:
             "moe_intermediate_size": em.intermediate_size,
             "matrices_quantized": len(em.matrices),
             "source_tensors_quantized": len(q_src),
-            "source_tensors_copied": len(self.copied),
-            "source_tensors_decoded": sum(1 for j in self.jobs if j.source.decoded),
+            "source_tensors_copied": len(self.unquantized),
+            "source_tensors_byte_identical": len(self.copied),
+            "source_tensors_decoded_not_quantized": len(self.decoded),
+            "source_tensors_decoded": sum(1 for j in self.jobs if j.tensor.decoded),
             "decoded_as": self.decoded_as(),
             "bytes_quantized_in": sum(t.nbytes_stored for t in q_src),
-            "bytes_copied": sum(t.nbytes_stored for t in self.copied),
+            "bytes_copied": sum(t.nbytes_stored for t in self.unquantized),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "output_shards": len(self.shard_names),
@@ -177,20 +205,21 @@ class Plan:
         """How the quantized source tensors are decoded: ``"<routed experts|other> <how>"`` -> count."""
         out: dict[str, int] = {}
         for j in self.jobs:
-            if j.source.decoded:
-                key = f"{'routed experts' if j.kind == 'quantize' else 'other tensors'}: {j.source.how}"
+            if j.tensor.decoded:
+                kind = DECODED_EXPERTS if j.kind is JobKind.QUANTIZE else DECODED_OTHERS
+                key = f"{kind}: {j.tensor.how}"
                 out[key] = out.get(key, 0) + 1
         return out
 
     def tensor_table(self) -> list[dict]:
         """Every logical source tensor and what happens to it (what ``expq inspect --tensors`` lists)."""
-        return [{"name": j.source.name, "file": j.source.file, "dtype": j.source.stored.dtype,
-                 "shape": list(j.source.shape), "action": j.kind, "decoded": j.source.how if j.source.decoded
+        return [{"name": j.tensor.name, "file": j.tensor.file, "dtype": j.tensor.stored.dtype,
+                 "shape": list(j.tensor.shape), "action": j.kind.value, "decoded": j.tensor.how if j.tensor.decoded
                  else None, "outputs": [o.name for o in j.outputs]} for j in self.jobs]
 
 
 def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtype: str = "auto",
-              max_shard_size: str | int = "5GB", format: str = DEFAULT_FORMAT) -> Plan:
+              max_shard_size: str | int = DEFAULT_MAX_SHARD, format: str = DEFAULT_FORMAT) -> Plan:
     """Check the source against its layout and plan the conversion.
 
     Args:
@@ -206,11 +235,13 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
 
     Raises:
         LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match.
-        SourceError: expert tensors that are not float.
+        SourceError: expert tensors that are not float; routed experts the source decoder refuses
+            (``Decoder.check_experts``: already int8 per channel).
         UsageError: an unknown format. ValueError: a bad ``dtype`` or ``max_shard_size``.
     """
     lay, detected_by = resolve_layout(source.config, layout)
     experts = ExpertMap.from_source(lay, source.config, source.logical)
+    source.decoder.check_experts(experts)
     compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
     shard_limit = parse_size(max_shard_size)
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
@@ -291,12 +322,12 @@ def _build_jobs(source: Source, experts: ExpertMap, fmt: Format) -> list[Job]:
         et = experts.tensors.get(t.name)
         if et is None:
             out = OutTensor(t.name, t.dtype, t.shape, _nbytes(t.dtype, t.shape))
-            jobs.append(Job("decode" if t.decoded else "copy", t, [[out]]))
+            jobs.append(Job(JobKind.DECODE if t.decoded else JobKind.COPY, t, [[out]]))
             continue
         groups = [[OutTensor(s.name, s.dtype, s.shape, _nbytes(s.dtype, s.shape), value=s.value)
                    for s in fmt.tensor_specs(m)]
                   for m in et.matrices]
-        jobs.append(Job("quantize", t, groups, et))
+        jobs.append(Job(JobKind.QUANTIZE, t, groups, et))
     return jobs
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from .options import format_size
+
 DEFAULT_INTERVAL = 5.0
 
 
@@ -83,12 +85,6 @@ def quiet_hub_bars() -> None:
         tlog.disable_progress_bar()
 
 
-def _size(n: float) -> str:
-    from rich.filesize import decimal
-
-    return decimal(int(n), precision=2)
-
-
 def _clock(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -137,8 +133,9 @@ class ProgressLines:
         elapsed = now - self.start
         pct = f" ({100 * self.done_bytes / self.total_bytes:.0f}%)" if self.total_bytes > 0 else ""
         rate = self.done_bytes / elapsed if elapsed > 0 else None
-        text = (f"{self.verb[1 if final else 0]}: {_size(self.done_bytes)} / {_size(self.total_bytes)}{pct}, "
-                f"{self.shards_done}/{self.total_shards} shards, {'-' if rate is None else _size(rate)}/s")
+        text = (f"{self.verb[1 if final else 0]}: {format_size(self.done_bytes)} / "
+                f"{format_size(self.total_bytes)}{pct}, "
+                f"{self.shards_done}/{self.total_shards} shards, {'-' if rate is None else format_size(rate)}/s")
         if final:
             return text + f", in {_clock(elapsed)}"
         left = self.total_bytes - self.done_bytes

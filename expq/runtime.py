@@ -26,6 +26,7 @@ import torch
 
 from .checkpoint import ConvertedCheckpoint, LayerExperts, open_checkpoint
 from .errors import ExpqError, LayoutError, UsageError
+from .experts import ExpertMap
 
 _PATCH_LOCK = threading.Lock()
 
@@ -54,9 +55,10 @@ def load_experts(path: str | Path, layer: int | None = None) -> dict:
     return {L: ck.layer_experts(L).as_dict() for L in ck.moe_layers}
 
 
-def _int8_experts_class(base: type, weight_numel: int) -> type:
+def _int8_experts_class(base: type, experts: ExpertMap) -> type:
     """A subclass of transformers' experts class ``base`` that holds experts_int8 tensors and runs the kernel;
-    parameters of at least ``weight_numel`` elements (the stacked expert weights) are not allocated."""
+    the parameters ``experts`` calls routed-expert weights (``ExpertMap.is_runtime_expert_weight``) are not
+    allocated."""
 
     class Int8Experts(base):  # type: ignore[misc, valid-type]
         expq_int8 = True
@@ -78,7 +80,7 @@ def _int8_experts_class(base: type, weight_numel: int) -> type:
             # placeholders; biases (GPT-OSS) and anything else small keep their shape and load as usual.
             for mod in self.modules():
                 for name, p in list(mod.named_parameters(recurse=False)):
-                    if p.numel() >= weight_numel:
+                    if experts.is_runtime_expert_weight(p.numel()):
                         setattr(mod, name, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False))
 
         def _apply(self, fn, *args, **kwargs):
@@ -236,8 +238,7 @@ def int8_experts_class(model, ck: ConvertedCheckpoint) -> type:
         LayoutError: the layout's runtime module is not found in the model.
     """
     base = type(next(iter(_experts_modules(model, ck).values())))
-    return _int8_experts_class(base, ck.num_experts * (ck.experts.intermediate_size or 1) *
-                               (ck.experts.hidden_size or 1))
+    return _int8_experts_class(base, ck.experts)
 
 
 def make_experts_int8(model, ck: ConvertedCheckpoint) -> type:

@@ -381,3 +381,25 @@ def local_download_commit(src: Source) -> str | None:
             return None
     (commit,) = commits if len(commits) == 1 else (None,)
     return commit if commit and re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+# --- identity --------------------------------------------------------------------------------------------------------
+def local_identity(src: Source, threads: int | None = None) -> list[list]:
+    """A directory source's identity, what a resume and a no-op re-run compare (``conversion.run_settings``):
+    [file, size, sha256] of every shard and side file (config.json first, then the shards, then the side files),
+    each file read whole in chunks, ``threads`` files at a time (default: one per core, at most 8; sha256 releases
+    the GIL). ``docs/benchmarks.md`` has what it costs against a conversion. With ``--ray`` a task calls it, never
+    the driver.
+
+    Raises:
+        SourceError: a file is not a regular file or cannot be read (EIO...), naming it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .io.regular import sha256_regular
+
+    rels = ["config.json", *(sh.file for sh in src.shards), *src.side_files]
+    n = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="expq-identity") as pool:
+        sums = list(pool.map(lambda rel: sha256_regular(src.root / rel, "source file"), rels))
+    return [[rel, size, digest] for rel, (size, digest) in zip(rels, sums)]

@@ -1,8 +1,8 @@
 """``--stream``: converting a Hub repo whose source and output do not fit on the disk together.
 
 The plan is made from the shards' headers alone (``hubsource.read_remote_header``: ranged reads, no tensor data);
-the side files (config, tokenizer, index...) are downloaded first. Then ``ShardStream``, the pipeline's
-``SourceFeeder``, downloads the shards in the order the pipeline will read them, one at a time in a background
+the side files (config, tokenizer, index...) are downloaded first. Then ``StreamFeeder``, the pipeline's
+``SourceFeeder`` for ``--stream``, downloads the shards in the order the pipeline will read them, one at a time in a background
 thread, into ``.<OUT>.expq-stream/`` beside OUT (the same filesystem as the output), keeping at most ``ahead``
 shards downloaded ahead of the ones being converted, and deletes each shard once every job reading it has written
 its outputs. So the stream folder holds at most ``ahead + 1`` shards (plus the side files) at any time; with one
@@ -24,17 +24,17 @@ import errno
 import functools
 import os
 import re
-import signal
 import stat
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import ExpqError, HubError, Interrupted, UsageError
+from .errors import ExpqError, HubError, UsageError
 from .hubsource import StreamListing, fetch_listing, hub_failure, read_remote_header
 from .source import RemoteShards, Source, is_repo_id, open_source
+from .interrupts import STOP
 from .io import files
-from .writer import STOP, OutputError
+from .writer import OutputError
 
 STREAM = ".expq-stream"
 LOCK = ".expq-lock"  # inside the stream folder: one run at a time uses it
@@ -50,7 +50,7 @@ def stream_folder(out: str | Path) -> Path:
 
 
 def open_stream(src: str, out: str | Path, *, revision: str | None = None, token: str | bool | None = None,
-                ahead: int | None = None) -> tuple[Source, "ShardStream"]:
+                ahead: int | None = None) -> tuple[Source, "StreamFeeder"]:
     """Open a Hub repo for a streamed conversion into ``out``, downloading no shard: take the stream folder (a
     lock: one run at a time), list the revision, download the side files into the folder, read every shard's
     header remotely, and validate the whole source as ``source.open_source`` does.
@@ -59,7 +59,7 @@ def open_stream(src: str, out: str | Path, *, revision: str | None = None, token
         ahead: shards downloaded ahead of the ones being converted (None: ``DEFAULT_AHEAD``, 2).
 
     Returns:
-        (the Source, rooted at the stream folder, where the shards will appear; the ShardStream that will fetch
+        (the Source, rooted at the stream folder, where the shards will appear; the StreamFeeder that will fetch
         them: hand it to the pipeline, then ``remove()`` or ``release()`` it).
 
     Raises:
@@ -88,22 +88,22 @@ def open_stream(src: str, out: str | Path, *, revision: str | None = None, token
     except BaseException:
         _let_go(folder, lock, delete=created)
         raise
-    return source, ShardStream(listing, folder, lock, ahead=DEFAULT_AHEAD if ahead is None else ahead)
+    return source, StreamFeeder(listing, folder, lock, ahead=DEFAULT_AHEAD if ahead is None else ahead)
 
 
 @contextlib.contextmanager
 def streamed(src: str, out: str | Path, *, revision: str | None = None, token: str | bool | None = None,
              keep: Callable[[BaseException], bool], ahead: int | None = None
-             ) -> Iterator[tuple[Source, "ShardStream"]]:
+             ) -> Iterator[tuple[Source, "StreamFeeder"]]:
     """``open_stream`` for the length of a conversion: on success the stream folder is removed; after an error
     for which ``keep(error)`` is true (the same command resumes) it is kept, else removed."""
-    source, stream = open_stream(src, out, revision=revision, token=token, ahead=ahead)
+    source, feeder = open_stream(src, out, revision=revision, token=token, ahead=ahead)
     try:
-        yield source, stream
+        yield source, feeder
     except BaseException as e:
-        stream.release() if keep(e) else stream.remove()
+        feeder.release() if keep(e) else feeder.remove()
         raise
-    stream.remove()
+    feeder.remove()
 
 
 _FOLDER_HINT = ("expq downloads into this folder and deletes what it downloaded, so it must be a real folder: remove "
@@ -155,7 +155,7 @@ class _Cancelled(Exception):
 
 class _Meter:
     """Stands in for huggingface_hub's progress bar during one download (``tqdm_class``): shows nothing, and stops
-    the download (at its next chunk) once the stream is closing or the run is interrupted (``writer.STOP``)."""
+    the download (at its next chunk) once the stream is closing or the run is interrupted (``interrupts.STOP``)."""
 
     def __init__(self, closing: threading.Event, *args, **kwargs):
         self.closing = closing
@@ -174,7 +174,7 @@ class _Meter:
         return False
 
 
-class ShardStream:
+class StreamFeeder:
     """The pipeline's ``SourceFeeder`` for ``--stream``: downloads the shard files into the stream folder ahead of
     the conversion and deletes each once converted (see the module docstring).
 
@@ -234,7 +234,7 @@ class ShardStream:
             HubError: its download (or an earlier one: the stream stops at the first failure) failed: the Hub's
                 errors as ``hubsource`` classifies them, or a size or sha256 that differs from the listing.
             OutputError: the stream folder cannot be written (disk full...).
-            Interrupted: the run was interrupted (``writer.STOP``, set by convert's signal handlers) meanwhile.
+            Interrupted: the run was interrupted (``interrupts.STOP``, set by convert's signal handlers) meanwhile.
         """
         if file not in self.listing.weights:
             raise RuntimeError(f"internal: {file} is not a weight file of {self.listing.repo}")
@@ -251,7 +251,7 @@ class ShardStream:
                 if self._error is not None:
                     raise self._error
                 if STOP.is_set():  # a signal: the worker stops here instead of after the download
-                    raise Interrupted(getattr(STOP, "signum", signal.SIGINT))
+                    raise STOP.interrupted()
                 if self._closing.is_set():
                     raise RuntimeError(f"internal: waiting for {file} after the stream was closed")
                 self._cv.wait(0.1)  # STOP cannot notify this condition: look at it ten times a second

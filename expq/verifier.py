@@ -34,6 +34,7 @@ from .io.index import INDEX_NAME
 from .kernels import select_backend
 from .manifest import MANIFEST, PUSH_WRITES, manifest_intact
 from .options import check_verify
+from .plan import JobKind
 from .writer import reading
 
 # --- thresholds ----------------------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def _layer_checks(ck: ConvertedCheckpoint, plan, found: Findings, dev: torch.dev
 
     src_jobs: dict[int, list] = {}
     for j in (plan.jobs if plan is not None else []):
-        if j.kind == "quantize":
+        if j.kind is JobKind.QUANTIZE:
             src_jobs.setdefault(j.matrices[0].layer, []).append(j)
     act_dtype = ck.scale_dtype  # activations in the compute dtype, as vLLM serves the model
     underflow_budget = ck.manifest.rows.underflow if ck.manifest is not None else 0
@@ -489,10 +490,10 @@ def _check_passthrough(ck: ConvertedCheckpoint, plan, problems: list[str]) -> Ch
     bad = []
     n = 0
     for j in plan.jobs:
-        if j.kind == "quantize":
+        if j.kind is JobKind.QUANTIZE:
             continue
         n += 1
-        s = j.source
+        s = j.tensor
         o = ck.tensors.get(s.name)
         if o is None:
             bad.append(f"tensor {s.name}: in the source but not in the output")
@@ -536,7 +537,7 @@ def _check_layer_bits(ck: ConvertedCheckpoint, ex: LayerExperts, plan, jobs: lis
     codes_diff = scales_diff = 0
     worst = 0.0
     for j in jobs:
-        w = j.expert.to_rows(plan.source.read_logical(j.source).to(plan.compute_dtype)).contiguous()
+        w = j.expert.to_rows(plan.source.read_logical(j.tensor).to(plan.compute_dtype)).contiguous()
         ref_codes, ref_scales = quantize_rows(w)
         rows = j.expert.rows_per_matrix
         for i, m in enumerate(j.matrices):
@@ -554,7 +555,7 @@ def _check_layer_bits(ck: ConvertedCheckpoint, ex: LayerExperts, plan, jobs: lis
             scales_diff += ds
             if dc or ds:
                 found.add(BITS, res, f"layer {L} expert {m.expert} {m.proj} ({module}): {dc} codes and {ds} scales "
-                                     f"differ from re-quantizing {j.source.name}")
+                                     f"differ from re-quantizing {j.tensor.name}")
             wm = w[sl].float()
             s = scales.float().clamp_min(torch.finfo(torch.float32).tiny)
             err = ((dequantize_rows(codes, scales) - wm).abs().amax(dim=1) / s)

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from .errors import ExpqError, Interrupted, UsageError
+from .interrupts import STOP
 from .io import files
 from .io.hashing import sha256_file as _sha256_any
 from .io.safetensors import encode_header
@@ -68,7 +69,6 @@ PARTIAL = ".expq-partial"
 JOURNAL = ".expq-journal.json"
 LOCK = ".expq-lock"
 FAULT_ENV = "EXPQ_FAULT"
-STOP = threading.Event()  # set when the run is interrupted (signals): workers and stalls stop
 def sha256_file(path: Path) -> str:
     """The sha256 of a file in OUT or its staging folder, never read through a link (``io.hashing``)."""
     return _sha256_any(path, follow_links=False)
@@ -78,7 +78,10 @@ _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC  #
 
 
 class OutputError(ExpqError):
-    """Writing the output failed (disk full, permissions...); names the file and tensor."""
+    """Writing the output failed (disk full, permissions...); names the file and tensor. Resumable: the shards
+    finished before it are kept."""
+
+    resumable = True
 
 
 class _Faults:
@@ -545,7 +548,7 @@ class OutputDir:
         """Take the lock's ``COMMIT`` byte, exclusive: wait while a verify or push reads OUT (stopping on a signal)."""
         while not files.try_lock(self._lock_fd, files.COMMIT, exclusive=True):
             if STOP.wait(0.1):
-                raise Interrupted(getattr(STOP, "signum", signal.SIGINT))
+                raise STOP.interrupted()
 
     def discard(self) -> None:
         """Remove the staging folder and the journal (nothing to resume)."""

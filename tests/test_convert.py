@@ -290,13 +290,14 @@ def test_pipeline_memory_is_bounded_by_its_budget(tmp_path, converted, monkeypat
     """A pipeline never holds more than its byte budget (source tensors read ahead + outputs not yet written), or a
     single job when one job is larger than the budget; the output does not depend on the budget."""
     from expq import pipeline
-    from expq.plan import make_plan
+    from expq.plan import JobKind, make_plan
     from expq.source import open_source
     from expq.writer import OutputDir, ShardSet
 
     src, out, _ = converted("mixtral")
     plan = make_plan(open_source(src), max_shard_size=SHARD)
-    costs = [j.source.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in plan.jobs if j.kind != "copy"]
+    costs = [j.tensor.nbytes_stored + sum(o.nbytes for o in j.outputs) for j in plan.jobs
+             if j.kind is not JobKind.COPY]
     budget = budget_jobs * max(costs)
     monkeypatch.setattr(pipeline, "PIPELINE_BYTES", budget)
     outdir = OutputDir(tmp_path / "o", fingerprint={"test": "budget"}, src_root=src)
@@ -321,13 +322,13 @@ def test_units_are_source_shards_largest_first_in_write_order(converted):
     src, _, _ = converted("mixtral")
     plan = make_plan(open_source(src), max_shard_size=SHARD)
     units = make_units(plan, list(enumerate(plan.jobs)))
-    sizes = [sum(j.source.nbytes_stored for _, j in u) for u in units]
-    assert sizes == sorted(sizes, reverse=True) and len(units) == len({j.source.file for j in plan.jobs}) > 1
+    sizes = [sum(j.tensor.nbytes_stored for _, j in u) for u in units]
+    assert sizes == sorted(sizes, reverse=True) and len(units) == len({j.tensor.file for j in plan.jobs}) > 1
     in_order = make_units(plan, list(enumerate(plan.jobs)), largest_first=False)
-    files = [u[0][1].source.file for u in in_order]
-    assert files == sorted(files) and sorted(files) == sorted(u[0][1].source.file for u in units)
+    files = [u[0][1].tensor.file for u in in_order]
+    assert files == sorted(files) and sorted(files) == sorted(u[0][1].tensor.file for u in units)
     assert sorted(i for u in units for i, _ in u) == list(range(len(plan.jobs)))
     for u in units:
-        assert len({j.source.file for _, j in u}) == 1
+        assert len({j.tensor.file for _, j in u}) == 1
         places = [(o.shard, o.offset) for _, j in u for o in [max(j.outputs, key=lambda o: o.nbytes)]]
         assert places == sorted(places)

@@ -9,15 +9,19 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
+from typer.testing import CliRunner
 
 import expq
+from expq.cli import app
 from expq.decoders import detect
 from expq.decoders.fp8_block import Fp8BlockDecoder
+from expq.errors import NonFiniteError
+from expq.hub import model_card
 from expq.io.safetensors import read_tensor
 from expq.source import open_source
 
 from fp8_fixture import make_fp8_deepseek
-from helpers import example, raw_bytes, read_tensors
+from helpers import edit_shard_tensors, example, raw_bytes, read_tensors
 
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 BLOCKS = [(32, 32), (128, 128)]  # hidden 64, moe 48, dense 80, MLA 16/24: edge blocks everywhere with 32
@@ -103,3 +107,48 @@ def test_convert_fp8_equals_convert_of_vendor_bf16(fp8_pair, tmp_path):
     for f in sorted(out1.glob("*.safetensors")):
         with safe_open(f, "pt") as s:
             assert not any(k.endswith("_scale_inv") for k in s.keys())
+
+
+def test_decoded_tensors_are_not_called_byte_identical(fp8_pair, tmp_path):
+    """The non-expert weights stored as FP8 are decoded, not copied: convert's table and --json, inspect and the
+    model card count them apart from the tensors copied byte for byte."""
+    block, _, fp8_dir, _ = fp8_pair
+    if block != BLOCKS[0]:
+        pytest.skip("one block size shows it")
+    h = _headers(fp8_dir)
+    layers = json.loads((fp8_dir / "config.json").read_text())["num_hidden_layers"]  # past it: MTP, not quantized
+    routed = {n for n in h if EXPERT.search(n) and int(n.split(".")[2]) < layers}
+    stored = {n for n in h if not n.endswith("_scale_inv")} - routed
+    n_dec = sum(1 for n in stored if h[n][1] == "F8_E4M3")
+    n_copy = len(stored) - n_dec
+    assert n_dec > 0 and n_copy > 0
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["convert", str(fp8_dir), str(out), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert f"tensors copied byte for byte\t{n_copy}\n" in res.output
+    assert f"tensors decoded, not quantized\t{n_dec}\n" in res.output
+    res = CliRunner().invoke(app, ["convert", str(fp8_dir), str(out), "--device", "cpu", "--json"])  # up to date
+    rep = json.loads(res.stdout)
+    assert (rep["tensors_byte_identical"], rep["tensors_decoded_not_quantized"], rep["tensors_copied"]) == (
+        n_copy, n_dec, n_copy + n_dec)
+
+    res = CliRunner().invoke(app, ["inspect", str(fp8_dir)])
+    assert f"not quantized\t{n_copy} tensors copied byte for byte and {n_dec} decoded (" in res.output
+    s = expq.inspect(fp8_dir).summary()
+    assert (s["source_tensors_byte_identical"], s["source_tensors_decoded_not_quantized"]) == (n_copy, n_dec)
+
+    card = model_card(out, "me/x")
+    assert f"| of which kept as they were (byte-identical) | {n_copy} tensors |" in card
+    assert f"| of which decoded from fp8-block to bfloat16 | {n_dec} tensors |" in card
+    assert "| kept as they were (byte-identical) |" not in card
+
+
+def test_nan_in_a_decoded_non_expert_tensor_is_refused(tmp_path, tmp_path_factory):
+    fp8, _ = make_fp8_deepseek(example(tmp_path_factory, "deepseek_v3"), tmp_path / "made", block=(32, 32))
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    edit_shard_tensors(fp8, name, lambda t: t[name].view(-1)[:1].fill_(float("nan")))
+    with pytest.raises(NonFiniteError, match=r"decodes to \d+ NaN/infinite values \(from .*o_proj.weight_scale_inv") \
+            as ei:
+        expq.convert(fp8, tmp_path / "out", device="cpu")
+    assert ei.value.tensor == "model.layers.1.self_attn.o_proj.weight" and not (tmp_path / "out").exists()

@@ -20,7 +20,7 @@ from ct_fixture import (KIMI_STYLE_IGNORE, compress_weight, decompress_weight, m
                         max_abs_error_bound, quantization_config, scheme)
 from expq import decoders
 from expq.decoders.compressed_tensors import CompressedTensorsDecoder
-from expq.errors import SourceError
+from expq.errors import LayoutError, SourceError
 from expq.io.safetensors import TensorInfo, read_tensor
 from expq.source import open_source
 from helpers import example
@@ -435,11 +435,12 @@ def test_weight_shape_and_g_idx_checked_at_decode(tmp_path):
 
 
 # --- never quantize twice ---------------------------------------------------------------------------------------------
+# Which tensors are routed experts is the expert map's answer, from the layout in use: the refusal comes with the plan.
 def test_refuses_an_expq_output(tmp_path, tmp_path_factory):
     out = tmp_path / "out"
     expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu")
     with pytest.raises(SourceError, match="already int8 per channel") as e:
-        _detect(out)
+        expq.inspect(out)
     assert "already quantized" in str(e.value) and "never quantizes twice" in str(e.value)
     assert e.value.file == "config.json" and e.value.tensor.endswith(".weight_packed")
     assert ".block_sparse_moe.experts." in e.value.tensor
@@ -453,19 +454,23 @@ def test_refuses_an_expq_output(tmp_path, tmp_path_factory):
 def test_refuses_int8_channel_experts(tmp_path, fmt, acts):
     sch = scheme(dict(num_bits=8, type="int", symmetric=True, strategy="channel"), [EXPERTS], fmt, acts)
     root, _, _ = build(tmp_path / "src", sch)
+    assert _detect(root).name == "compressed-tensors"  # the format itself is understood
     with pytest.raises(SourceError, match="already int8 per channel"):
-        _detect(root)
+        expq.inspect(root)
 
 
-def test_refuses_int8_channel_experts_of_an_unknown_family(tmp_path):
-    """No layout for the model: any experts.<e>.<proj> module counts, so the refusal still comes first."""
+def test_int8_channel_experts_of_an_unknown_family_follow_its_layout(tmp_path):
+    """No built-in layout for the model: the architecture is unknown until a layout names its experts; with
+    ``--layout`` the experts it names are refused."""
     sch = scheme(dict(num_bits=8, type="int", symmetric=True, strategy="channel"), [EXPERTS], "pack-quantized")
     root, _, _ = build(tmp_path / "src", sch)
     cfg = json.loads((root / "config.json").read_text())
     cfg["model_type"], cfg["architectures"] = "some_new_moe", ["SomeNewMoeForCausalLM"]
     (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LayoutError, match="some_new_moe"):
+        expq.inspect(root)
     with pytest.raises(SourceError, match="already int8 per channel") as e:
-        _detect(root)
+        expq.inspect(root, layout=Path(expq.__file__).parent / "configs" / "qwen3_moe.toml")
     assert ".mlp.experts." in e.value.tensor
 
 

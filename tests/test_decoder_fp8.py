@@ -11,13 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import expq
 from expq.decoders import PlainDecoder, detect
 from expq.decoders.fp8_block import Fp8BlockDecoder
 from expq.errors import SourceError
 from expq.io.safetensors import read_header, read_tensor
 from expq.source import open_source
 
-from fp8_fixture import vendor_dequant
+from fp8_fixture import make_fp8_deepseek, vendor_dequant
+from helpers import example
 
 # quantization_config blocks as published in each repo's config.json. DeepSeek-V3's is the one its README_WEIGHTS.md
 # documents; MiniMax-M2's and DeepSeek-V3.1/V3.2's (scale_fmt) as quoted verbatim by public code that reads them;
@@ -320,3 +322,16 @@ def test_e8m0_and_f16_scales(tmp_path):
     assert torch.equal(s1.float(), 2.0 ** (s1.view(torch.uint8).float() - 127))
     assert torch.equal(got["a.weight"], vendor_dequant(w1, s1, 32, 32))
     assert torch.equal(got["b.weight"], vendor_dequant(w2, s2, 32, 32))
+
+
+def test_fp8_tensors_without_a_quantization_config(tmp_path, tmp_path_factory):
+    fp8, _ = make_fp8_deepseek(example(tmp_path_factory, "deepseek_v3"), tmp_path / "made", block=(32, 32))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    del cfg["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="stored as F8_E4M3 but config.json has no quantization_config"):
+        expq.inspect(fp8)
+    cfg["quantization_config"] = "fp8"
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="quantization_config must be a JSON object, got str"):
+        expq.inspect(fp8)

@@ -41,7 +41,7 @@ def cluster():
 def driver_reads_no_weights():
     """Within: in this (the driver's) process, reading a tensor or a source's data bytes fails the test; the
     workers are other processes and are not affected."""
-    import expq.api
+    import expq.conversion
     import expq.pipeline
 
     def forbidden(*a, **k):
@@ -49,7 +49,7 @@ def driver_reads_no_weights():
 
     with pytest.MonkeyPatch.context() as mp:
         for mod, name in ((expq.pipeline, "read_tensor"), (expq.pipeline, "copy_bytes"),
-                          (expq.api, "local_identity")):
+                          (expq.conversion, "local_identity")):
             mp.setattr(mod, name, forbidden)
         yield
 

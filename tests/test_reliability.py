@@ -18,6 +18,7 @@ import pytest
 from helpers import example, tree_digest
 
 import expq
+from expq.plan import JobKind
 
 SHARD = "40KB"
 NOTE = "notes.txt"  # a file of the user's beside OUT: never touched
@@ -92,7 +93,7 @@ def test_killed_from_outside_resumes_keeping_finished_shards(reference, tmp_path
     expq.convert(src, ref, device="cpu", max_shard_size=SHARD)
     out = tmp_path / "run" / "out"
     plan = expq.inspect(src, max_shard_size=SHARD)
-    writes = sum(1 for j in plan.jobs if j.kind != "copy" for o in j.outputs if o.value is None)
+    writes = sum(1 for j in plan.jobs if j.kind is not JobKind.COPY for o in j.outputs if o.value is None)
     assert len(plan.shard_names) >= 4
     p = cli("convert", src, out, "--device", "cpu", "--max-shard-size", SHARD, fault=f"write:{writes - 2}:stall")
     journal = out.parent / ".out.expq-journal.json"

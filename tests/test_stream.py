@@ -23,7 +23,7 @@ import expq
 from expq.cli import app
 from expq.errors import HubError, SourceError, UsageError
 from expq.pipeline import make_units
-from expq.streaming import DEFAULT_AHEAD, ShardStream, open_stream, stream_folder
+from expq.streaming import DEFAULT_AHEAD, StreamFeeder, open_stream, stream_folder
 
 REPO = "org/stream-mixtral"
 SHARD = "40KB"  # output shards: several, each fed by more than one source shard
@@ -79,7 +79,7 @@ def read_order(folder: Path) -> list[str]:
     """The source shards in the order a one-device pipeline first reads them (its units, in file order)."""
     plan = expq.inspect(folder, max_shard_size=SHARD)
     return list(dict.fromkeys(p.file for u in make_units(plan, list(enumerate(plan.jobs)), largest_first=False)
-                              for _, j in u for p in j.source.parts))
+                              for _, j in u for p in j.tensor.parts))
 
 
 def test_stream_matches_the_cached_conversion_within_the_disk_bound(hub_server, repo, reference, tmp_path):
@@ -124,24 +124,24 @@ def test_a_shard_needed_out_of_order_is_fetched_at_once(hub_server, repo, tmp_pa
     fetched at once instead of waiting for a done() that may never come; a shard start() did not list too."""
     _, _, sizes = repo
     n = sorted(sizes)
-    source, stream = open_stream(REPO, tmp_path / "run" / "out", ahead=0)
-    on_disk = lambda: sorted(p.name for p in stream.folder.glob("*.safetensors"))  # noqa: E731
+    source, feeder = open_stream(REPO, tmp_path / "run" / "out", ahead=0)
+    on_disk = lambda: sorted(p.name for p in feeder.folder.glob("*.safetensors"))  # noqa: E731
     try:
-        assert [sh.path for sh in source.shards] == [stream.folder / x for x in n] and on_disk() == []
-        stream.start(n[:3])
-        stream.wait(n[0])
+        assert [sh.path for sh in source.shards] == [feeder.folder / x for x in n] and on_disk() == []
+        feeder.start(n[:3])
+        feeder.wait(n[0])
         assert on_disk() == [n[0]]  # the window is full: n[1] waits for done(n[0])
-        stream.wait(n[2])  # beyond the window: fetched now
-        stream.wait(n[5])  # never listed: fetched now
-        assert on_disk() == [n[0], n[2], n[5]] and stream.downloaded == [n[0], n[2], n[5]]
+        feeder.wait(n[2])  # beyond the window: fetched now
+        feeder.wait(n[5])  # never listed: fetched now
+        assert on_disk() == [n[0], n[2], n[5]] and feeder.downloaded == [n[0], n[2], n[5]]
         for x in (n[0], n[2], n[5]):
-            stream.done(x)
-        stream.wait(n[1])  # the window has room again
-        assert on_disk() == [n[1]] and stream.downloaded == [n[0], n[2], n[5], n[1]]
-        assert stream.peak_bytes <= bound(sizes, stream.folder, ahead=2)
+            feeder.done(x)
+        feeder.wait(n[1])  # the window has room again
+        assert on_disk() == [n[1]] and feeder.downloaded == [n[0], n[2], n[5], n[1]]
+        assert feeder.peak_bytes <= bound(sizes, feeder.folder, ahead=2)
     finally:
-        stream.remove()
-    assert not stream.folder.exists() and list(stream.folder.parent.iterdir()) == []
+        feeder.remove()
+    assert not feeder.folder.exists() and list(feeder.folder.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", ["hidden", "offline"])
@@ -170,13 +170,13 @@ def test_peak_disk_follows_ahead(hub_server, repo, reference, tmp_path, monkeypa
     folder, _, sizes = repo
     monkeypatch.setattr("expq.streaming.DEFAULT_AHEAD", 0)
     seen = []
-    real_done = ShardStream.done
+    real_done = StreamFeeder.done
 
     def done(self, file):
         seen.append(sorted(p.name for p in self.folder.glob("*.safetensors")))
         real_done(self, file)
 
-    monkeypatch.setattr(ShardStream, "done", done)
+    monkeypatch.setattr(StreamFeeder, "done", done)
     out = tmp_path / "run" / "out"
     report = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)
     assert tree_digest(out) == reference and leftovers(out.parent) == []
@@ -221,8 +221,8 @@ def test_killed_stream_resumes_downloading_only_what_is_still_needed(hub_server,
     cut = on_disk[-1]
     (stream / cut).write_bytes((stream / cut).read_bytes()[:1000])
     started = []
-    real_start = ShardStream.start
-    monkeypatch.setattr(ShardStream, "start", lambda self, files: (started.append(list(files)),
+    real_start = StreamFeeder.start
+    monkeypatch.setattr(StreamFeeder, "start", lambda self, files: (started.append(list(files)),
                                                                    real_start(self, files))[1])
     hub_server.reset_stats()
     report = expq.convert(REPO, out, device="cpu", max_shard_size=SHARD, stream=True)

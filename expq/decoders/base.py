@@ -7,18 +7,21 @@ files describe. A ``Decoder`` maps the stored tensors of a checkpoint onto logic
 it depends on, such as its ``weight_scale_inv``, possibly in another shard) and decodes one logical tensor at a time.
 A plain (unquantized) checkpoint maps every stored tensor to itself (``decoders/plain.py``).
 
-To add a source format: copy ``decoders/plain.py``, implement the three methods, and add the class to
+To add a source format: copy ``decoders/plain.py``, implement the four methods, and add the class to
 ``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
 
 from ..io.safetensors import TensorInfo
+
+if TYPE_CHECKING:
+    from ..experts import ExpertMap
 
 ReadFn = Callable[[TensorInfo], torch.Tensor]
 """Reads one stored tensor (its raw dtype, on the CPU): ``io.safetensors.read_tensor`` bound to the source root."""
@@ -73,6 +76,15 @@ class Decoder(Protocol):
 
         Raises:
             SourceError: the source claims this format but its config is inconsistent (names the key).
+        """
+        ...
+
+    def check_experts(self, experts: ExpertMap) -> None:
+        """Refuse what this format stores for the routed experts that expq must not decode (called by
+        ``plan.make_plan`` with the expert map of the layout in use; most formats refuse nothing).
+
+        Raises:
+            SourceError: names the tensor.
         """
         ...
 

@@ -43,13 +43,16 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import LayoutError, SourceError
+from ..errors import SourceError
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
+
+if TYPE_CHECKING:
+    from ..experts import ExpertMap
 
 NAME = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -65,7 +68,6 @@ SCALE_DTYPES = ("BF16", "F16", "F32")
 SHAPE_DTYPES = ("I64", "I32")
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 CLASS_NAME = re.compile(r"[A-Z]\w*")  # a target naming a module class (Linear), not a module
-EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.[^.]+$")  # an expert projection module, any family
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class CompressedTensorsDecoder:
         self.groups = [_Group(n, s, _group_format(qc, s)) for n, s in qc.config_groups.items()
                        if s.weights is not None]
         self.ignore = list(qc.ignore or [])
+        self.int8_channel: list[LogicalTensor] = []  # quantized weights stored 8-bit int per channel (check_experts)
         self._group_cache: dict[str, _Group | None] = {}
 
     # --- detection -----------------------------------------------------------------------------------------------
@@ -106,7 +109,8 @@ class CompressedTensorsDecoder:
 
         Raises:
             SourceError: a config the installed compressed-tensors does not validate, a feature not decoded here,
-                routed experts already int8 per channel, or stored tensors that do not fit the config.
+                or stored tensors that do not fit the config (routed experts already int8 per channel are refused
+                by ``check_experts``, once the plan knows which they are).
         """
         raw = source_quantization_config(config)
         if raw is None and isinstance(config.get("compression_config"), dict):
@@ -126,28 +130,20 @@ class CompressedTensorsDecoder:
             raise SourceError("quantization_config says compressed-tensors, but no stored tensor is a quantized "
                               "weight (weight_packed, or an F8_E4M3/I8 weight with its weight_scale)",
                               file="config.json")
-        dec._refuse_int8_channel_experts(config, tensors, modules)
+        dec.int8_channel = [lt for lt in modules.values()
+                            if _is_int8_channel(dec._group_of(lt.name.removesuffix(".weight")).weights)]
         return dec
 
-    def _refuse_int8_channel_experts(self, config: dict, tensors: dict[str, TensorInfo],
-                                     modules: dict[str, LogicalTensor]) -> None:
-        """Refuse when a routed expert is stored quantized by a group of 8-bit int channel weights.
+    def check_experts(self, experts: ExpertMap) -> None:
+        """Refuse a source whose routed experts (the expert map's answer, from the layout in use) are stored
+        quantized by a group of 8-bit int channel weights.
 
-        Which tensors are routed experts is the expert map's answer (``ExpertMap.from_source`` over the logical
-        tensors); where it has none (no layout for the model, or one that does not fit), any ``experts.<e>.<proj>``
-        module counts, so that the refusal still comes first."""
-        int8 = []
-        for lt in modules.values():
-            w = self._group_of(lt.name.removesuffix(".weight")).weights
-            if w.type == "int" and w.num_bits == 8 and w.strategy == "channel":
-                int8.append(lt)
-        if not int8:
-            return
-        routed = _routed_expert_names(config, self.logical_tensors(tensors))
-        for lt in int8:
-            module = lt.name.removesuffix(".weight")
-            hit = lt.name in routed if routed is not None else EXPERT_MODULE.search(module) is not None
-            if hit:
+        Raises:
+            SourceError: names the first such tensor and its config group.
+        """
+        for lt in self.int8_channel:
+            if lt.name in experts.tensors:
+                module = lt.name.removesuffix(".weight")
                 g = self._group_of(module)
                 raise SourceError(
                     "the source is already quantized: its routed experts are already int8 per channel "
@@ -369,15 +365,9 @@ def _config_compute_dtype(config: dict) -> str | None:
     return None
 
 
-def _routed_expert_names(config: dict, logical: dict[str, LogicalTensor]) -> set[str] | None:
-    """The logical tensors the expert map calls routed experts, or None when it cannot be built."""
-    from ..experts import ExpertMap
-    from ..layouts import detect_layout
-
-    try:
-        return set(ExpertMap.from_source(detect_layout(config)[0], config, logical).tensors)
-    except LayoutError:
-        return None
+def _is_int8_channel(w: Any) -> bool:
+    """Whether a group's weights are 8-bit int with one scale per output channel (what expq itself writes)."""
+    return w.type == "int" and w.num_bits == 8 and w.strategy == "channel"
 
 
 # --- shapes -----------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Without ``weight_block_size`` (per-tensor FP8) the scale is one value (shape ``[
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -29,6 +29,9 @@ from .. import parallel
 from ..errors import SourceError
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
+
+if TYPE_CHECKING:
+    from ..experts import ExpertMap
 
 FP8_WEIGHT_DTYPES = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
 """Stored weight dtypes this decoder reads (decided from the safetensors dtype string, never from element size)."""
@@ -98,6 +101,9 @@ class Fp8BlockDecoder:
         return dec
 
     # --- mapping ------------------------------------------------------------------------------------------------
+    def check_experts(self, experts: ExpertMap) -> None:
+        """Nothing to refuse: any routed expert stored in this format is decoded."""
+
     def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
         """Pair every FP8 weight with its scale; everything else maps to itself.
 

@@ -40,7 +40,7 @@ depend on the torch version's ldexp; it runs on the CPU, one bounded chunk of ro
 from __future__ import annotations
 
 from functools import cache
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -48,6 +48,9 @@ from .. import parallel
 from ..errors import SourceError
 from ..io.safetensors import TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
+
+if TYPE_CHECKING:
+    from ..experts import ExpertMap
 
 BLOCK = 32
 """E2M1 values per block (one E8M0 scale each)."""
@@ -93,6 +96,9 @@ class Mxfp4Decoder:
                               "(no *_blocks U8 tensor)", file="config.json",
                               hint="remove the quantization_config if the weights were dequantized")
         return cls(qc)
+
+    def check_experts(self, experts: ExpertMap) -> None:
+        """Nothing to refuse: any routed expert stored in this format is decoded."""
 
     def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
         """Pair each ``P_blocks`` U8 ``[E, R, G, 16]`` with ``P_scales`` U8 ``[E, R, G]`` (possibly in another shard)

@@ -5,13 +5,16 @@ The file to copy when adding a source format (see ``decoders/base.py``).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..errors import SourceError
 from ..io.safetensors import TensorInfo
 from .base import LogicalTensor, ReadFn
+
+if TYPE_CHECKING:
+    from ..experts import ExpertMap
 
 
 class PlainDecoder:
@@ -23,6 +26,9 @@ class PlainDecoder:
     def detect(cls, config: dict, tensors: dict[str, TensorInfo]) -> "PlainDecoder | None":
         """Always applies when no quantized format claimed the source (``decoders.detect`` tries it last)."""
         return cls()
+
+    def check_experts(self, experts: ExpertMap) -> None:
+        """Nothing to refuse: any routed expert stored in this format is decoded."""
 
     def logical_tensors(self, tensors: dict[str, TensorInfo]) -> dict[str, LogicalTensor]:
         """Each stored tensor as it is."""

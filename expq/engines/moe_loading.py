@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import LayoutError, SourceError
+from ..experts import w13_rows
 from ..layouts import PROJECTIONS
 
 KINDS = ("codes", "scale")
@@ -91,13 +92,6 @@ class Partition:
         if not 0 <= expert < len(self.expert_map):
             raise LayoutError(f"expert id outside the layer's {len(self.expert_map)} experts", expert=expert)
         return self.expert_map[expert]
-
-    def w13_rows(self, proj: str, intermediate_per_rank: int) -> slice:
-        """Rows of one expert's ``w13`` [2*I_r, ...] that hold ``proj`` ("gate" or "up")."""
-        first = proj == "gate"
-        if self.interleaved:
-            return slice(0 if first else 1, 2 * intermediate_per_rank, 2)
-        return slice(0, intermediate_per_rank) if first else slice(intermediate_per_rank, 2 * intermediate_per_rank)
 
 
 class LayerLoader:
@@ -209,7 +203,7 @@ class LayerLoader:
             else:
                 self.params["w2_scale"][local].copy_(t)  # the full row: never sliced
             return
-        rows = self.partition.w13_rows(proj, I_r)
+        rows = w13_rows(proj, I_r, interleaved=self.partition.interleaved)
         target = self.params["w13_weight" if kind == "codes" else "w13_scale"]
         target[local, rows].copy_(t[mine])
 

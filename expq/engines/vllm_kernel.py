@@ -37,6 +37,7 @@ from typing import Mapping
 import torch
 
 from ..errors import ExpqError
+from ..experts import gate_then_up
 
 ENV = "EXPQ_VLLM_KERNEL"
 KERNELS = ("expq", "vllm")
@@ -179,12 +180,12 @@ def _lora_enabled() -> bool:
 
 def deinterleave_w13(layer: torch.nn.Module) -> None:
     """w13 (codes, scales, bias) rows from interleaved (gate 0, up 0, gate 1, ...) to gate rows then up rows, in
-    place: row order only, every value kept."""
+    place (``experts.gate_then_up``)."""
     with torch.no_grad():
         for name in ("w13_weight", "w13_scale", "w13_bias"):
             t = getattr(layer, name, None)
             if t is not None:
-                t.copy_(torch.cat([t[:, 0::2], t[:, 1::2]], dim=1))
+                t.copy_(gate_then_up(t))
 
 
 def _log_once(key: str, message: str) -> None:

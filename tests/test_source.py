@@ -1,4 +1,4 @@
-"""Hostile input: bad safetensors headers, bad config.json types, and links out of SRC.
+"""Opening a source (``source.open_source``): bad safetensors headers, bad config.json types, and links out of SRC.
 
 Each case gives one exact line that names the file (and the tensor or key), from the API and from ``expq inspect`` /
 ``expq convert`` on the command line (exit 1, no traceback, the same line after ``error:``). 28 header cases, 9
