@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ExpqError, Interrupted, UsageError
+from .errors import ExpqError, UsageError
 from .interrupts import STOP
 from .io import files
 from .io.hashing import sha256_file as _sha256_any
