@@ -60,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     timed(pipeline, "read_tensor", "read (readinto)")
     timed(pipeline, "quantize_matrix", "scheme (its CPU time: in 'rest')")
+    timed(pipeline._FrontPass, "_job", "front pass (scales, copies)")
     timed(ct, "pack_codes", "pack")
     timed(pipeline._DevicePipeline, "_to_host", "copy back to host")
     timed(pipeline, "copy_bytes", "passthrough copy")

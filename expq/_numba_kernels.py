@@ -76,8 +76,10 @@ def quantize_bf16(x, codes, amax, scales, r0, r1, with_codes):
     for r in range(r0, r1):
         row = x[r]
         m = np.uint16(0)
-        for c in range(cols):
-            m = max(m, row[c] & np.uint16(0x7FFF))
+        for c in range(cols):  # (ufunc and compare: both stay 16-bit, so LLVM vectorizes the loop)
+            v = np.bitwise_and(row[c], np.uint16(0x7FFF))
+            if v > m:
+                m = v
         amax[r] = m
         if m > np.uint16(0x7F80):  # NaN
             scales[r] = _BF16_NAN
@@ -102,8 +104,10 @@ def quantize_f16(x, codes, amax, scales, r0, r1, with_codes):
     for r in range(r0, r1):
         row = x[r]
         m = np.uint16(0)
-        for c in range(cols):
-            m = max(m, row[c] & np.uint16(0x7FFF))
+        for c in range(cols):  # (ufunc and compare: both stay 16-bit, so LLVM vectorizes the loop)
+            v = np.bitwise_and(row[c], np.uint16(0x7FFF))
+            if v > m:
+                m = v
         amax[r] = m
         sb = _f32_to_half(_half_to_f32(m) * _RECIP_127)  # NaN stays NaN (the caller stores it canonical)
         scales[r] = sb
@@ -125,7 +129,9 @@ def quantize_f32(x, codes, amax, scales, r0, r1, with_codes):
         row = x[r]
         m = np.uint32(0)
         for c in range(cols):
-            m = max(m, row[c] & np.uint32(0x7FFFFFFF))
+            v = np.bitwise_and(row[c], np.uint32(0x7FFFFFFF))
+            if v > m:
+                m = v
         amax[r] = m
         s = _f32(m) * _RECIP_127
         scales[r] = _u32(s)

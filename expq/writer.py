@@ -613,18 +613,38 @@ class _ShardHash:
         self.pos += data.nbytes
 
     def advance(self) -> bool:
-        """Hash what became contiguous; True once the whole file is hashed."""
+        """Hash what became contiguous; True once the whole file is hashed. Reads back into one buffer, kept
+        between calls (a fresh 16 MiB object per read costs its page faults, about a sixth of the hash's time)."""
         while self.ready and self.ready[0][0] <= self.pos:
             _, end = heapq.heappop(self.ready)
             while self.pos < end:
-                chunk = os.pread(self.fd, min(HASH_CHUNK, end - self.pos), self.pos)
-                if not chunk:
+                view = _read_buffer()[: min(HASH_CHUNK, end - self.pos)]
+                n = os.preadv(self.fd, [view], self.pos) if hasattr(os, "preadv") else \
+                    _pread_into(self.fd, view, self.pos)
+                if not n:
                     raise OSError(errno.EIO, "short read back of a shard being written")
-                self.h.update(chunk)
+                self.h.update(view[:n])
                 if self.writeback:
-                    start_writeback(self.fd, self.pos, len(chunk))
-                self.pos += len(chunk)
+                    start_writeback(self.fd, self.pos, n)
+                self.pos += n
         return self.pos >= self.size
+
+
+_hash_buffer = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's read-back buffer (``HASH_CHUNK`` bytes)."""
+    buf = getattr(_hash_buffer, "view", None)
+    if buf is None:
+        buf = _hash_buffer.view = memoryview(bytearray(HASH_CHUNK))
+    return buf
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    data = os.pread(fd, len(view), pos)
+    view[: len(data)] = data
+    return len(data)
 
 
 class ShardSet:
