@@ -6,14 +6,19 @@ and writing overlap:
 
 * **read**: the stored bytes of the next job, one ``readinto`` of each tensor's whole span (into pinned host memory
   when the device is a GPU); a byte budget (``PIPELINE_BYTES``) caps what is read ahead and not yet written;
-* **compute**: decode (quantized non-expert tensors), or cast to the compute dtype on the device and run the
-  experts_int8 scheme on every row of every routed-expert matrix of the tensor (``scheme.quantize_matrix``: row
-  blocks that stay in cache on a CPU; on a GPU asynchronous copies on the pipeline's own stream and one
-  synchronisation per tensor), then the format's ``encode``; outputs come back to pinned host buffers;
+* **compute**: decode (quantized source tensors, on the pipeline's device), cast to the compute dtype on the device
+  and run the experts_int8 scheme on every row of every routed-expert matrix of the tensor
+  (``scheme.quantize_matrix``: row blocks over the thread pool on a CPU; on a GPU asynchronous copies on the
+  pipeline's own stream and one synchronisation per tensor), then the format's ``encode``; outputs come back to
+  pinned host buffers;
 * **write**: positional writes at the offsets the plan fixed (``copy_file_range`` for copied tensors); the shard
   hasher follows the written prefix, so a shard is hashed, fsync'd and journaled as soon as its last byte lands.
 
 Within a unit, jobs run in the order their largest outputs lie in the output file, so shards fill front to back.
+Where a shard lays out small tensors in front of its codes (experts-int8: the F32 scales of every matrix, then the
+copied and decoded tensors, then the int8 codes), a **front pass** (``_FrontPass``) writes them ahead of the
+pipelines (the scales from one read of each value), so that the shard's hash follows its codes as they are written
+instead of waiting for the shard's last job and reading the whole shard back.
 The output bytes do not depend on the number of devices, their kind or their order.
 """
 
