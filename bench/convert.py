@@ -857,7 +857,7 @@ def make_variant(name: str, gpus: int, llmc_device: str) -> Variant:
 
 
 def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tuple = (), gpu: bool = False,
-          disk_watch: Path | None = None, timeout: float | None = None) -> dict:
+          disk_watch: Path | None = None, timeout: float | None = None, cwd: Path = REPO) -> dict:
     """Run ``cmd`` under the meter; returns the meter's figures plus ``child`` (the last JSON line the command
     printed, if any) and ``gpu_stats`` (what a CUDA wrapper recorded)."""
     logs.parent.mkdir(parents=True, exist_ok=True)
@@ -866,7 +866,7 @@ def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tup
     env = dict(env or {})
     env.setdefault("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["BENCH_GPU_STATS"] = str(stats)
-    spec = {"cmd": cmd, "cwd": str(REPO), "env": env, "unset_env": list(unset_env), "gpu": gpu,
+    spec = {"cmd": cmd, "cwd": str(cwd), "env": env, "unset_env": list(unset_env), "gpu": gpu,
             "stdout": str(logs.with_suffix(".out")), "stderr": str(logs.with_suffix(".err")),
             "disk_watch": str(disk_watch) if disk_watch else None, "timeout": timeout}
     p = subprocess.run([sys.executable, "-c", METER, json.dumps(spec)], capture_output=True, text=True)
@@ -1056,7 +1056,7 @@ def _runs(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, tim
             args = ["convert", str(src), str(out), "--device", v.device, "--json"]
             if v.out_format:  # the acknowledgement changes no byte; families that need it refuse without it
                 args += ["--format", v.out_format, "--allow-random-experts-in-transformers"]
-            if v.code:
+            if v.code:  # also its working directory: `python -m` puts that first on the path
                 env["PYTHONPATH"] = str(v.code)
             cmd = [py, "-c", EXPQ_CLI_GPU, *args] if gpu else [py, "-m", "expq.cli", *args]
         else:  # stream
@@ -1072,7 +1072,7 @@ def _runs(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, tim
         warm(files)
         cached = cached_fraction(files)
         r = meter(cmd, work / "logs" / f"{fmt}-{safe}-{i}", env=env, unset_env=unset, gpu=gpu, disk_watch=watch,
-                  timeout=timeout)
+                  timeout=timeout, cwd=v.code or REPO)
         r["cached"] = cached
         r["output_bytes"] = tree_bytes(out)
         row["runs"].append(r)

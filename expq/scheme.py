@@ -164,8 +164,8 @@ def inspect_rows(amax: torch.Tensor, scales: torch.Tensor) -> RowReport:
 
 
 CPU_BLOCK_ELEMS = 1 << 20
-"""Elements per row block on a CPU (2 MiB of bf16): the block and its quotient stay in cache while the arithmetic's
-passes run over it, each using every core (torch's intra-op threads); measured best of 64K-4M on 2 cores."""
+"""Elements per row block on a CPU (2 MiB of bf16): one item of work for the thread pool; for the torch path, the
+block and its quotient stay in cache while its passes run over it (measured best of 64K-4M on 2 cores)."""
 
 
 def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
