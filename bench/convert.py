@@ -2,7 +2,10 @@
 on checkpoints with real architectures' shapes (issue 11's measurement contract).
 
     python bench/convert.py --model mixtral-8x7b[:LAYERS] [--model olmoe] [--model olmoe-x2] [--model tiny]
-                            [--variants floor,naive,llmc,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream]
+                            [--model qwen3-30b-a3b[:LAYERS]] [--model deepseek-v3[:LAYERS]]
+                            [--model gpt-oss-120b[:LAYERS]]
+                            [--variants floor,naive,llmc,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream,decode]
+                            [--formats compressed-tensors,experts-int8] [--baseline DIR]
                             [--runs 3] [--work DIR] [--shard-size 5GB] [--source-format bf16|fp8|both]
                             [--json OUT.json] [--build-only] [--delete-sources-after]
 
@@ -18,12 +21,27 @@ matches the spec):
   vocab 50304, 16 layers: 13.8 GB) with its real config keys (``model_type: olmoe``, ``num_experts``...), so that
   expq detects its ``olmoe`` layout; a smaller ``LAYERS`` is for checking the generator;
 * ``olmoe-x2``: the same widths with 32 layers (27.6 GB): the peak-RSS-does-not-grow check, next to ``olmoe``;
-* ``tiny``: a 60 MB Mixtral-layout model in 16 MB shards, for smoke tests.
+* ``qwen3-30b-a3b[:LAYERS]``: Qwen3-30B-A3B (hidden 2048, expert intermediate 768, 128 experts, top-8, 32 heads /
+  4 kv heads of 128, vocab 151936), 12 layers by default (16.2 GB);
+* ``deepseek-v3[:LAYERS]``: DeepSeek-V3 as it ships, FP8 E4M3 with 128x128 F32 block scales on every projection
+  (MLA attention, one dense layer then MoE layers of 256 experts of 7168 x 2048 and a shared expert), embeddings,
+  norms and routers bf16; 2 layers by default (15.8 GB);
+* ``gpt-oss-120b[:LAYERS]``: GPT-OSS-120B as it ships, MXFP4 routed experts (128 experts, 2880 x 2880) and the rest
+  bf16; 4 layers by default (9.3 GB);
+* ``tiny``: a 60 MB Mixtral-layout model in 16 MB shards; ``deepseek-v3-tiny``, ``gpt-oss-tiny``: the same for the
+  two quantized layouts. All for smoke tests.
+
+Weights are tiled from seeded random pools (bf16 ``0.02 N(0, 1)``, FP8 codes of block-quantized normals, uniform
+MXFP4 nibbles with scales 2**-9..2**-3): fast to build, and the conversion's speed does not depend on the values.
+Every expq variant runs once per output format (``--formats``); ``--baseline DIR`` runs each again with the expq
+package found in DIR (another revision, e.g. ``git archive REV expq configs | tar -x -C DIR``), in DIR. Runs go
+round by round (one run of each variant per round), so that a shared machine's load falls on all variants alike.
 
 ``--source-format fp8`` (or ``both``) also builds, one shard at a time, the checkpoint's FP8 twin as DeepSeek ships
 FP8: every 2-D projection (``*_proj`` and Mixtral's ``w1/w2/w3``) F8_E4M3 with an F32 ``weight_scale_inv`` per
 128x128 block (``s = amax / 448``, ``q = fp8(x / s)`` in fp32), everything else unchanged, the same shard files;
-naive and llmc run on bf16 sources only, and ``decode`` (expq's FP8 decoder alone, nothing written) on FP8 only.
+naive and llmc run on bf16 sources only, and ``decode`` (expq's decoder alone, nothing written) on quantized
+sources only.
 
 Variants. Each run is a fresh process started by a small meter process (below), after the source files were read
 once more into the page cache (``cached`` says what fraction of them was resident just before the run; a source
@@ -56,7 +74,8 @@ maximum (memory, disk) of ``--runs`` runs:
   outside, the largest allocated size (``st_blocks``) of everything under the run's folder (``HF_HOME`` and OUT with
   its staging), sampled every 0.1 s. If ``expq.api.convert`` has no ``stream`` parameter, the row says "not
   available" and the rest runs.
-* ``decode`` (FP8 sources): expq's FP8 decoder alone: read every FP8 weight and scale, ``decode`` to bf16.
+* ``decode`` (quantized sources): expq's decoder alone on the conversion's thread pool: read every quantized
+  weight and its scales, ``decode`` to bf16; ns per element of decoded output (wall time of the decode calls).
 
 How each figure is measured:
 

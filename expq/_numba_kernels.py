@@ -69,7 +69,7 @@ def _code(q):
     return np.int8(min(max(np.rint(q), _LO), _HI))
 
 
-# --- the scheme: one kernel per compute dtype --------------------------------------------------------------------------
+# --- the scheme: one kernel per compute dtype ------------------------------------------------------------------------
 @njit(nogil=True, cache=True)
 def quantize_bf16(x, codes, amax, scales, r0, r1, with_codes):
     cols = x.shape[1]
@@ -145,7 +145,7 @@ def quantize_f32(x, codes, amax, scales, r0, r1, with_codes):
             out[c] = _code(_f32(row[c]) / s)
 
 
-# --- FP8 block decode ---------------------------------------------------------------------------------------------------
+# --- FP8 block decode ------------------------------------------------------------------------------------------------
 @njit(nogil=True, cache=True)
 def fp8_block_decode(w, s, out, values, br, bc, e, r0, r1):
     cols = w.shape[2]
@@ -165,7 +165,7 @@ def fp8_block_decode(w, s, out, values, br, bc, e, r0, r1):
                 dst[c] = t[src[c]]
 
 
-# --- MXFP4 decode --------------------------------------------------------------------------------------------------------
+# --- MXFP4 decode ----------------------------------------------------------------------------------------------------
 @njit(nogil=True, cache=True)
 def mxfp4_decode(blocks, scales, values, out, e, r0, r1):
     groups = blocks.shape[2]

@@ -322,7 +322,8 @@ class _DevicePipeline:
         src = item.job.source
         if not src.decoded:
             return item.parts[src.stored]
-        return self.run.plan.source.decoder.decode(src, item.parts.__getitem__, device=self.device if self.cuda else None)
+        device = self.device if self.cuda else None
+        return self.run.plan.source.decoder.decode(src, item.parts.__getitem__, device=device)
 
     def _quantize(self, item: _Item) -> None:
         plan, job = self.run.plan, item.job
@@ -410,9 +411,10 @@ class _FrontPass:
 
     One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
     hashes wait for it, and it is small: one read of each value). It goes through the units in the order the
-    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the read threads (so that what it maps is still in the page
-    cache when they read it). For each job it claims first (``_Run.claim``; a pipeline that claims a job first
-    writes all of it itself, and where the front pass claimed it, the pipeline skips these outputs):
+    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
+    read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
+    (``_Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
+    the pipeline skips these outputs):
 
     * a copy job: copied (``copy_bytes``); a decode job: decoded and written;
     * a quantize job: its stored tensors mapped (``source.map_tensor``: no copy), decoded if stored quantized, the
