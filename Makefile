@@ -131,6 +131,10 @@ bench:
 	@echo "$(PY) bench/convert.py --model olmoe --variants floor,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream:cuda:0 --work $(WORK)"
 	@echo "# FP8 twin of a model beside its bf16 source, with expq's FP8 decoder alone"
 	@echo "$(PY) bench/convert.py --model mixtral-8x7b:1 --source-format both --variants floor,expq-cpu,decode --work $(WORK)"
+	@echo "# quantized releases as they ship (DeepSeek-V3 FP8 blocks, GPT-OSS MXFP4; every expq variant in both formats)"
+	@echo "$(PY) bench/convert.py --model deepseek-v3:2 --model gpt-oss-120b:4 --variants floor,expq-cuda,decode --runs 1 --work $(WORK) --delete-sources-after"
+	@echo "# per-core cost of the CPU paths (EXPQ_CPU_KERNEL numba and torch)"
+	@echo "$(PY) bench/cpu_kernels.py"
 
 bench-llmc:
 	bash bench/setup_llmc.sh

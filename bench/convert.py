@@ -2,7 +2,10 @@
 on checkpoints with real architectures' shapes (issue 11's measurement contract).
 
     python bench/convert.py --model mixtral-8x7b[:LAYERS] [--model olmoe] [--model olmoe-x2] [--model tiny]
-                            [--variants floor,naive,llmc,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream]
+                            [--model qwen3-30b-a3b[:LAYERS]] [--model deepseek-v3[:LAYERS]]
+                            [--model gpt-oss-120b[:LAYERS]]
+                            [--variants floor,naive,llmc,expq-cpu,expq-cuda,expq-cuda:0,cuda:1,expq-stream,decode]
+                            [--formats compressed-tensors,experts-int8] [--baseline DIR]
                             [--runs 3] [--work DIR] [--shard-size 5GB] [--source-format bf16|fp8|both]
                             [--json OUT.json] [--build-only] [--delete-sources-after]
 
@@ -18,12 +21,27 @@ matches the spec):
   vocab 50304, 16 layers: 13.8 GB) with its real config keys (``model_type: olmoe``, ``num_experts``...), so that
   expq detects its ``olmoe`` layout; a smaller ``LAYERS`` is for checking the generator;
 * ``olmoe-x2``: the same widths with 32 layers (27.6 GB): the peak-RSS-does-not-grow check, next to ``olmoe``;
-* ``tiny``: a 60 MB Mixtral-layout model in 16 MB shards, for smoke tests.
+* ``qwen3-30b-a3b[:LAYERS]``: Qwen3-30B-A3B (hidden 2048, expert intermediate 768, 128 experts, top-8, 32 heads /
+  4 kv heads of 128, vocab 151936), 12 layers by default (16.2 GB);
+* ``deepseek-v3[:LAYERS]``: DeepSeek-V3 as it ships, FP8 E4M3 with 128x128 F32 block scales on every projection
+  (MLA attention, one dense layer then MoE layers of 256 experts of 7168 x 2048 and a shared expert), embeddings,
+  norms and routers bf16; 2 layers by default (15.8 GB);
+* ``gpt-oss-120b[:LAYERS]``: GPT-OSS-120B as it ships, MXFP4 routed experts (128 experts, 2880 x 2880) and the rest
+  bf16; 4 layers by default (9.3 GB);
+* ``tiny``: a 60 MB Mixtral-layout model in 16 MB shards; ``deepseek-v3-tiny``, ``gpt-oss-tiny``: the same for the
+  two quantized layouts. All for smoke tests.
+
+Weights are tiled from seeded random pools (bf16 ``0.02 N(0, 1)``, FP8 codes of block-quantized normals, uniform
+MXFP4 nibbles with scales 2**-9..2**-3): fast to build, and the conversion's speed does not depend on the values.
+Every expq variant runs once per output format (``--formats``); ``--baseline DIR`` runs each again with the expq
+package found in DIR (another revision, e.g. ``git archive REV expq configs | tar -x -C DIR``), in DIR. Runs go
+round by round (one run of each variant per round), so that a shared machine's load falls on all variants alike.
 
 ``--source-format fp8`` (or ``both``) also builds, one shard at a time, the checkpoint's FP8 twin as DeepSeek ships
 FP8: every 2-D projection (``*_proj`` and Mixtral's ``w1/w2/w3``) F8_E4M3 with an F32 ``weight_scale_inv`` per
 128x128 block (``s = amax / 448``, ``q = fp8(x / s)`` in fp32), everything else unchanged, the same shard files;
-naive and llmc run on bf16 sources only, and ``decode`` (expq's FP8 decoder alone, nothing written) on FP8 only.
+naive and llmc run on bf16 sources only, and ``decode`` (expq's decoder alone, nothing written) on quantized
+sources only.
 
 Variants. Each run is a fresh process started by a small meter process (below), after the source files were read
 once more into the page cache (``cached`` says what fraction of them was resident just before the run; a source
@@ -56,7 +74,8 @@ maximum (memory, disk) of ``--runs`` runs:
   outside, the largest allocated size (``st_blocks``) of everything under the run's folder (``HF_HOME`` and OUT with
   its staging), sampled every 0.1 s. If ``expq.api.convert`` has no ``stream`` parameter, the row says "not
   available" and the rest runs.
-* ``decode`` (FP8 sources): expq's FP8 decoder alone: read every FP8 weight and scale, ``decode`` to bf16.
+* ``decode`` (quantized sources): expq's decoder alone on the conversion's thread pool: read every quantized
+  weight and its scales, ``decode`` to bf16; ns per element of decoded output (wall time of the decode calls).
 
 How each figure is measured:
 
@@ -112,16 +131,23 @@ EXPERT_RE = r"experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
 """A routed-expert projection module of the per-expert layouts built here (Mixtral ``w1/w2/w3``, OLMoE
 ``gate/up/down_proj``)."""
 TARGET_CPU, TARGET_GPU = 1.3, 1.1
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+OUT_FORMATS = ("compressed-tensors", "experts-int8")
 
 # ----------------------------------------------------------------------------------------------------------- models
+
+
+ELEMENT_BYTES = {"w": 2, "norm": 2, "bias": 2, "f32": 4, "fp8": 1, "fp8_scale": 4, "mx_blocks": 1, "mx_scales": 1}
+"""Bytes per element of each kind of tensor the builder writes (``ModelSpec.tensors``)."""
+FP8_SOURCE_BLOCK = 128  # DeepSeek-V3's weight_block_size, both ways
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # as given on the command line
-    family: str  # "mixtral" or "olmoe"
+    family: str  # "mixtral", "olmoe", "qwen3_moe", "deepseek_v3" or "gpt_oss"
     hidden: int
-    intermediate: int
+    intermediate: int  # the routed experts'
     experts: int
     top_k: int
     layers: int
@@ -130,41 +156,102 @@ class ModelSpec:
     vocab: int
     shard_size: int  # bytes of tensor data per shard, at most (HF's max_shard_size)
     config: dict = field(default_factory=dict)  # further config keys
+    head_dim_: int | None = None  # when it is not hidden / heads
+    native: str = "bf16"  # how the checkpoint itself is stored: bf16, fp8 (DeepSeek-V3's blocks) or mxfp4 (GPT-OSS)
+    dense_intermediate: int = 0  # DeepSeek-V3's dense layers (first_k_dense_replace) and shared expert widths
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_ or self.hidden // self.heads
 
     def tensors(self):
-        """(name, shape, kind) in state-dict order; kind: "w" (random, std 0.02) or "norm" (ones)."""
+        """(name, shape, kind) in state-dict order; kind: ``w`` (bf16 random), ``norm`` (bf16 ones), ``bias`` (bf16
+        random), ``f32`` (F32 zeros), ``fp8`` (F8_E4M3 random codes) with ``fp8_scale`` (its F32 128x128 block
+        scales), ``mx_blocks`` / ``mx_scales`` (GPT-OSS MXFP4, U8)."""
         H, I, E, kv = self.hidden, self.intermediate, self.experts, self.kv_heads * self.head_dim
         yield "model.embed_tokens.weight", (self.vocab, H), "w"
         for L in range(self.layers):
-            p = f"model.layers.{L}."
-            for n, shape in (("q_proj", (H, H)), ("k_proj", (kv, H)), ("v_proj", (kv, H)), ("o_proj", (H, H))):
-                yield p + f"self_attn.{n}.weight", shape, "w"
-            if self.family == "mixtral":
-                yield p + "block_sparse_moe.gate.weight", (E, H), "w"
-                for e in range(E):
-                    for n, shape in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
-                        yield p + f"block_sparse_moe.experts.{e}.{n}.weight", shape, "w"
-            else:  # olmoe
-                yield p + "self_attn.q_norm.weight", (H,), "norm"
-                yield p + "self_attn.k_norm.weight", (kv,), "norm"
-                yield p + "mlp.gate.weight", (E, H), "w"
-                for e in range(E):
-                    for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                        yield p + f"mlp.experts.{e}.{n}.weight", shape, "w"
-            yield p + "input_layernorm.weight", (H,), "norm"
-            yield p + "post_attention_layernorm.weight", (H,), "norm"
+            yield from getattr(self, f"_layer_{self.family}")(f"model.layers.{L}.", L, H, I, E, kv)
+            yield f"model.layers.{L}.input_layernorm.weight", (H,), "norm"
+            yield f"model.layers.{L}.post_attention_layernorm.weight", (H,), "norm"
         yield "model.norm.weight", (H,), "norm"
         yield "lm_head.weight", (self.vocab, H), "w"
 
+    def _attention(self, p, H, kv, q=None, o=None):
+        q = q or self.heads * self.head_dim
+        for n, shape in (("q_proj", (q, H)), ("k_proj", (kv, H)), ("v_proj", (kv, H)), ("o_proj", (H, o or q))):
+            yield p + f"self_attn.{n}.weight", shape, "w"
+
+    def _layer_mixtral(self, p, L, H, I, E, kv):
+        yield from self._attention(p, H, kv, H, H)
+        yield p + "block_sparse_moe.gate.weight", (E, H), "w"
+        for e in range(E):
+            for n, shape in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+                yield p + f"block_sparse_moe.experts.{e}.{n}.weight", shape, "w"
+
+    def _layer_olmoe(self, p, L, H, I, E, kv):
+        yield from self._attention(p, H, kv, H, H)
+        yield p + "self_attn.q_norm.weight", (H,), "norm"
+        yield p + "self_attn.k_norm.weight", (kv,), "norm"
+        yield from self._experts(p, E, H, I, "w")
+
+    def _experts(self, p, E, H, I, kind):
+        yield p + "mlp.gate.weight", (E, H), "w"
+        for e in range(E):
+            for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                yield from self._linear(p + f"mlp.experts.{e}.{n}", shape, kind)
+
+    def _linear(self, m, shape, kind):
+        yield m + ".weight", shape, kind
+        if kind == "fp8":
+            b = FP8_SOURCE_BLOCK
+            yield m + ".weight_scale_inv", (-(-shape[0] // b), -(-shape[1] // b)), "fp8_scale"
+
+    def _layer_qwen3_moe(self, p, L, H, I, E, kv):
+        yield from self._attention(p, H, kv)
+        yield p + "self_attn.q_norm.weight", (self.head_dim,), "norm"
+        yield p + "self_attn.k_norm.weight", (self.head_dim,), "norm"
+        yield from self._experts(p, E, H, I, "w")
+
+    def _layer_deepseek_v3(self, p, L, H, I, E, kv):
+        c = self.config
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        for n, shape in (("q_a_proj", (c["q_lora_rank"], H)), ("q_b_proj", (self.heads * qk, c["q_lora_rank"])),
+                         ("kv_a_proj_with_mqa", (c["kv_lora_rank"] + c["qk_rope_head_dim"], H)),
+                         ("kv_b_proj", (self.heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+                         ("o_proj", (H, self.heads * c["v_head_dim"]))):
+            yield from self._linear(p + f"self_attn.{n}", shape, "fp8")
+        yield p + "self_attn.q_a_layernorm.weight", (c["q_lora_rank"],), "norm"
+        yield p + "self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],), "norm"
+        D = self.dense_intermediate
+        if L < c["first_k_dense_replace"]:
+            for n, shape in (("gate_proj", (D, H)), ("up_proj", (D, H)), ("down_proj", (H, D))):
+                yield from self._linear(p + f"mlp.{n}", shape, "fp8")
+            return
+        yield from self._experts(p, E, H, I, "fp8")
+        yield p + "mlp.gate.e_score_correction_bias", (E,), "f32"
+        S = I * c["n_shared_experts"]
+        for n, shape in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
+            yield from self._linear(p + f"mlp.shared_experts.{n}", shape, "fp8")
+
+    def _layer_gpt_oss(self, p, L, H, I, E, kv):
+        q = self.heads * self.head_dim
+        for n, shape in (("q_proj", (q, H)), ("k_proj", (kv, H)), ("v_proj", (kv, H)), ("o_proj", (H, q))):
+            yield p + f"self_attn.{n}.weight", shape, "w"
+            yield p + f"self_attn.{n}.bias", shape[:1], "bias"
+        yield p + "self_attn.sinks", (self.heads,), "bias"
+        yield p + "mlp.router.weight", (E, H), "w"
+        yield p + "mlp.router.bias", (E,), "bias"
+        for n, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+            yield p + f"mlp.experts.{n}_blocks", (E, rows, cols // 32, 16), "mx_blocks"
+            yield p + f"mlp.experts.{n}_scales", (E, rows, cols // 32), "mx_scales"
+            yield p + f"mlp.experts.{n}_bias", (E, rows), "bias"
+
     def shards(self) -> list[list[tuple[str, tuple, str]]]:
-        """Tensors grouped into shards the way ``save_pretrained`` does (bf16: 2 bytes an element)."""
+        """Tensors grouped into shards the way ``save_pretrained`` does."""
         out, cur, size = [], [], 0
         for t in self.tensors():
-            n = math.prod(t[1]) * 2
+            n = math.prod(t[1]) * ELEMENT_BYTES[t[2]]
             if cur and size + n > self.shard_size:
                 out.append(cur)
                 cur, size = [], 0
@@ -175,26 +262,46 @@ class ModelSpec:
         return out
 
     def hf_config(self):
-        """The transformers config (``AutoConfig.for_model``) of this model."""
+        """The transformers config (``AutoConfig.for_model``) of this model, with the source's
+        ``quantization_config`` for FP8 and MXFP4 checkpoints."""
         from transformers import AutoConfig
 
-        if self.family == "mixtral":
-            kw = dict(num_local_experts=self.experts, max_position_embeddings=32768,
-                      architectures=["MixtralForCausalLM"])
-        else:
-            kw = dict(num_experts=self.experts, max_position_embeddings=4096, architectures=["OlmoeForCausalLM"],
-                      pad_token_id=1, eos_token_id=50279)
-        kw.update(hidden_size=self.hidden, intermediate_size=self.intermediate, num_experts_per_tok=self.top_k,
+        arch = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[self.family]
+        kw = dict(architectures=[arch], hidden_size=self.hidden, num_experts_per_tok=self.top_k,
                   num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                  vocab_size=self.vocab, tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16",
-                  **self.config)
-        return AutoConfig.for_model(self.family, **kw)
+                  vocab_size=self.vocab, tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="bfloat16")
+        kw |= {"mixtral": dict(num_local_experts=self.experts, max_position_embeddings=32768,
+                               intermediate_size=self.intermediate),
+               "olmoe": dict(num_experts=self.experts, max_position_embeddings=4096, pad_token_id=1,
+                             eos_token_id=50279, intermediate_size=self.intermediate),
+               "qwen3_moe": dict(num_experts=self.experts, moe_intermediate_size=self.intermediate,
+                                 head_dim=self.head_dim, max_position_embeddings=40960,
+                                 intermediate_size=6144, decoder_sparse_step=1, mlp_only_layers=[]),
+               "deepseek_v3": dict(n_routed_experts=self.experts, moe_intermediate_size=self.intermediate,
+                                   intermediate_size=self.dense_intermediate, max_position_embeddings=163840),
+               "gpt_oss": dict(num_local_experts=self.experts, intermediate_size=self.intermediate,
+                               head_dim=self.head_dim, max_position_embeddings=131072,
+                               layer_types=["sliding_attention", "full_attention"] * (self.layers // 2)
+                               + ["sliding_attention"] * (self.layers % 2), sliding_window=128)}[self.family]
+        kw |= self.config
+        cfg = AutoConfig.for_model(self.family, **kw)
+        if self.native == "fp8":
+            cfg.quantization_config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                       "weight_block_size": [FP8_SOURCE_BLOCK, FP8_SOURCE_BLOCK]}
+        elif self.native == "mxfp4":
+            cfg.quantization_config = {"modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+                "quant_method": "mxfp4"}
+        return cfg
 
     def describe(self) -> str:
+        stored = {"bf16": "bf16", "fp8": "FP8 E4M3 with 128x128 block scales (DeepSeek-V3's format)",
+                  "mxfp4": "MXFP4 routed experts (GPT-OSS's format), the rest bf16"}[self.native]
         return (f"{self.family} layout, hidden {self.hidden}, expert intermediate {self.intermediate}, "
                 f"{self.experts} experts (top-{self.top_k}), {self.layers} layer{'s' * (self.layers != 1)}, "
                 f"{self.heads} heads / "
-                f"{self.kv_heads} kv heads, vocab {self.vocab}, bf16")
+                f"{self.kv_heads} kv heads, vocab {self.vocab}, {stored}")
 
 
 def parse_size(text: str) -> int:
@@ -212,19 +319,40 @@ def model_spec(name: str, shard_size: int | None) -> ModelSpec:
     base, _, layers = name.partition(":")
     if layers and not layers.isdigit():
         raise SystemExit(f"--model {name}: LAYERS must be a number")
+    size = shard_size or 5 * 10**9
     if base == "mixtral-8x7b":
-        return ModelSpec(name, "mixtral", 4096, 14336, 8, 2, int(layers or 2), 32, 8, 32000,
-                         shard_size or 5 * 10**9)
+        return ModelSpec(name, "mixtral", 4096, 14336, 8, 2, int(layers or 2), 32, 8, 32000, size)
     if base in ("olmoe", "olmoe-x2"):
         default = 16 if base == "olmoe" else 32
         if base == "olmoe-x2" and layers:
             raise SystemExit("--model olmoe-x2 takes no layer count (use olmoe:LAYERS)")
-        return ModelSpec(name, "olmoe", 2048, 1024, 64, 8, int(layers or default), 16, 16, 50304,
-                         shard_size or 5 * 10**9, {"clip_qkv": None, "norm_topk_prob": False})
+        return ModelSpec(name, "olmoe", 2048, 1024, 64, 8, int(layers or default), 16, 16, 50304, size,
+                         {"clip_qkv": None, "norm_topk_prob": False})
+    if base == "qwen3-30b-a3b":
+        return ModelSpec(name, "qwen3_moe", 2048, 768, 128, 8, int(layers or 12), 32, 4, 151936, size,
+                         {"norm_topk_prob": True}, head_dim_=128)
+    if base in ("deepseek-v3", "deepseek-v3-tiny"):
+        tiny = base.endswith("tiny")
+        mla = dict(q_lora_rank=256 if tiny else 1536, kv_lora_rank=128 if tiny else 512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, n_shared_experts=1, n_group=8,
+                   topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
+                   norm_topk_prob=True)
+        if tiny:
+            return ModelSpec(name, "deepseek_v3", 1024, 256, 16, 4, int(layers or 2), 8, 8, 4096,
+                             shard_size or 16 * 10**6, mla, head_dim_=64, native="fp8", dense_intermediate=1536)
+        return ModelSpec(name, "deepseek_v3", 7168, 2048, 256, 8, int(layers or 2), 128, 128, 129280, size, mla,
+                         head_dim_=64, native="fp8", dense_intermediate=18432)
+    if base in ("gpt-oss-120b", "gpt-oss-tiny"):
+        if base.endswith("tiny"):
+            return ModelSpec(name, "gpt_oss", 512, 512, 8, 2, int(layers or 2), 8, 2, 4096, shard_size or 16 * 10**6,
+                             {}, head_dim_=64, native="mxfp4")
+        return ModelSpec(name, "gpt_oss", 2880, 2880, 128, 4, int(layers or 4), 64, 8, 201088, size, {},
+                         head_dim_=64, native="mxfp4")
     if base == "tiny":
-        return ModelSpec(name, "mixtral", 512, 1024, 8, 2, int(layers or 2), 8, 4, 4096,
-                         shard_size or 16 * 10**6)
-    raise SystemExit(f"unknown --model {name!r}: mixtral-8x7b[:LAYERS], olmoe[:LAYERS], olmoe-x2, tiny")
+        return ModelSpec(name, "mixtral", 512, 1024, 8, 2, int(layers or 2), 8, 4, 4096, shard_size or 16 * 10**6)
+    raise SystemExit(f"unknown --model {name!r}: mixtral-8x7b[:LAYERS], olmoe[:LAYERS], olmoe-x2, "
+                     "qwen3-30b-a3b[:LAYERS], deepseek-v3[:LAYERS], gpt-oss-120b[:LAYERS], tiny, deepseek-v3-tiny, "
+                     "gpt-oss-tiny")
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -244,12 +372,58 @@ def built(path: Path, key: dict) -> bool:
     return m.exists() and json.loads(m.read_text()) == key
 
 
-def build_checkpoint(spec: ModelSpec, path: Path) -> None:
-    """Write ``spec`` as a bf16 safetensors checkpoint into ``path``: one shard in memory at a time."""
+POOL_ELEMS = 1 << 24
+"""Elements of each random pool the builder tiles tensors from (a tensor starts at its own offset)."""
+
+
+def _pool(kind: str):
+    """The random values tensors of ``kind`` are cut from (generated once, seeded): bf16 ``0.02 * N(0, 1)``; FP8
+    codes of ``N(0, 1) * 112`` (block-quantized normals use about the top quarter of E4M3's range; never NaN); MXFP4
+    blocks of uniform random nibbles and E8M0 scales 2**-9 .. 2**-3."""
     import torch
+
+    cache = _pool.__dict__.setdefault("cache", {})
+    if kind not in cache:
+        g = torch.Generator().manual_seed(1234)
+        if kind in ("w", "bias"):
+            cache[kind] = (torch.randn(POOL_ELEMS, generator=g) * 0.02).to(torch.bfloat16)
+        elif kind == "fp8":
+            cache[kind] = (torch.randn(POOL_ELEMS, generator=g) * 112).clamp(-448, 448).to(torch.float8_e4m3fn)
+        elif kind == "mx_blocks":
+            cache[kind] = torch.randint(0, 256, (POOL_ELEMS,), generator=g, dtype=torch.uint8)
+        else:  # mx_scales
+            cache[kind] = torch.randint(118, 125, (POOL_ELEMS,), generator=g, dtype=torch.uint8)
+    return cache[kind]
+
+
+def make_tensor(kind: str, shape: tuple, seed: int):
+    """One tensor of ``kind`` (``ModelSpec.tensors``), filled from its pool starting at a seeded offset."""
+    import torch
+
+    if kind == "norm":
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if kind == "f32":
+        return torch.zeros(shape, dtype=torch.float32)
+    if kind == "fp8_scale":  # block scales of normals with std 0.02: amax / 448 about 2e-4
+        g = torch.Generator().manual_seed(seed)
+        return 1.5e-4 + 1e-4 * torch.rand(shape, generator=g, dtype=torch.float32)
+    pool = _pool(kind)
+    n, off, pos = math.prod(shape), (seed * 7919) % POOL_ELEMS, 0
+    out = torch.empty(n, dtype=pool.dtype)
+    while pos < n:
+        take = min(n - pos, POOL_ELEMS - off)
+        out[pos:pos + take] = pool[off:off + take]
+        pos, off = pos + take, 0
+    return out.view(shape)
+
+
+def build_checkpoint(spec: ModelSpec, path: Path) -> None:
+    """Write ``spec`` as a safetensors checkpoint into ``path`` (bf16, or as the family ships it: ``native``), one
+    shard in memory at a time; values tiled from seeded random pools (``make_tensor``: fast; the conversion does not
+    depend on which random values it meets)."""
     from safetensors.torch import save_file
 
-    key = {"spec": asdict(spec) | {"name": None}, "format": "bf16"}
+    key = {"spec": asdict(spec) | {"name": None}, "format": spec.native, "fill": "pools"}
     if built(path, key):
         return
     shutil.rmtree(path, ignore_errors=True)
@@ -262,15 +436,10 @@ def build_checkpoint(spec: ModelSpec, path: Path) -> None:
         name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         sd = {}
         for tname, shape, kind in shard:
-            if kind == "norm":
-                t = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                g = torch.Generator().manual_seed(i)
-                t = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+            sd[tname] = t = make_tensor(kind, shape, i)
             i += 1
-            sd[tname] = t
             weight_map[tname] = name
-            total += t.numel() * 2
+            total += t.numel() * t.element_size()
         save_file(sd, path / name, metadata={"format": "pt"})
         del sd
         print(f"  built {path.name}/{name} ({k + 1}/{n}, {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -500,8 +669,8 @@ import expq.api
 if "stream" not in inspect.signature(expq.api.convert).parameters:
     print(json.dumps({"unavailable": "expq.api.convert has no stream parameter"}))
     sys.exit(3)
-repo, out, device = sys.argv[1], sys.argv[2], sys.argv[3]
-r = expq.api.convert(repo, out, device=device, stream=True)
+repo, out, device, fmt = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+r = expq.api.convert(repo, out, device=device, stream=True, format=fmt, allow_random_experts_in_transformers=True)
 print(json.dumps({"inner_seconds": time.perf_counter() - t, "bytes_out": r.bytes_out,
                   "stream_peak_bytes": getattr(r, "stream_peak_bytes", None)}))
 with open(os.environ["BENCH_GPU_STATS"], "w") as f:
@@ -512,20 +681,25 @@ DECODE = r"""
 import sys, json, time
 t = time.perf_counter()
 import torch  # noqa: F401
+from expq import cpu_kernels, pipeline
 from expq.source import open_source
 src = open_source(sys.argv[1])
 t_read = t_dec = 0.0
-for lt in src.logical.values():
-    if not lt.decoded:
-        continue
-    t0 = time.perf_counter()
-    parts = {p.name: src.read(p) for p in lt.parts}
-    t1 = time.perf_counter()
-    out = src.decoder.decode(lt, lambda info: parts[info.name])
-    t_dec += time.perf_counter() - t1
-    t_read += t1 - t0
-    del parts, out
-print(json.dumps({"inner_seconds": time.perf_counter() - t, "read_s": t_read, "decode_s": t_dec}))
+elements = 0
+with pipeline.cpu_threads(True):  # torch single-threaded, the decoders' bands on one thread per core
+    for lt in src.logical.values():
+        if not lt.decoded:
+            continue
+        t0 = time.perf_counter()
+        parts = {p.name: src.read(p) for p in lt.parts}
+        t1 = time.perf_counter()
+        out = src.decoder.decode(lt, lambda info: parts[info.name])
+        t_dec += time.perf_counter() - t1
+        t_read += t1 - t0
+        elements += out.numel()
+        del parts, out
+print(json.dumps({"inner_seconds": time.perf_counter() - t, "read_s": t_read, "decode_s": t_dec,
+                  "elements": elements, "kernel": cpu_kernels.active()}))
 """
 
 METER = r"""
@@ -651,10 +825,12 @@ print(json.dumps(res))
 
 @dataclass
 class Variant:
-    name: str  # as shown: floor, naive, llmc, expq-cpu, expq-cuda:0, expq-stream, ...
+    name: str  # as shown: floor, naive, llmc, expq-cpu, expq-cuda:0, expq-stream, ... (expq: with [its format])
     kind: str  # floor, naive, llmc, expq, stream, decode
     device: str = "cpu"
     skip: str | None = None  # why it is not run
+    out_format: str | None = None  # expq's --format (expq and stream variants)
+    code: Path | None = None  # expq variants: run the expq package found here (--baseline) instead of this checkout's
 
 
 def parse_variants(text: str) -> list[str]:
@@ -700,7 +876,7 @@ def make_variant(name: str, gpus: int, llmc_device: str) -> Variant:
 
 
 def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tuple = (), gpu: bool = False,
-          disk_watch: Path | None = None, timeout: float | None = None) -> dict:
+          disk_watch: Path | None = None, timeout: float | None = None, cwd: Path = REPO) -> dict:
     """Run ``cmd`` under the meter; returns the meter's figures plus ``child`` (the last JSON line the command
     printed, if any) and ``gpu_stats`` (what a CUDA wrapper recorded)."""
     logs.parent.mkdir(parents=True, exist_ok=True)
@@ -709,7 +885,7 @@ def meter(cmd: list[str], logs: Path, *, env: dict | None = None, unset_env: tup
     env = dict(env or {})
     env.setdefault("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["BENCH_GPU_STATS"] = str(stats)
-    spec = {"cmd": cmd, "cwd": str(REPO), "env": env, "unset_env": list(unset_env), "gpu": gpu,
+    spec = {"cmd": cmd, "cwd": str(cwd), "env": env, "unset_env": list(unset_env), "gpu": gpu,
             "stdout": str(logs.with_suffix(".out")), "stderr": str(logs.with_suffix(".err")),
             "disk_watch": str(disk_watch) if disk_watch else None, "timeout": timeout}
     p = subprocess.run([sys.executable, "-c", METER, json.dumps(spec)], capture_output=True, text=True)
@@ -853,26 +1029,36 @@ def machine() -> dict:
     return info
 
 
-def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, timeout: float) -> dict:
-    """Every run of one variant on one source: {"runs": [...], ...} or {"skip": why}."""
-    row: dict = {"variant": v.name, "kind": v.kind, "device": v.device, "source": fmt}
+def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, timeout: float,
+                row: dict | None = None) -> dict:
+    """``runs`` more runs of one variant on one source, added to ``row`` (a new one if None): {"runs": [...], ...}
+    or {"skip": why}. ``summarize`` computes the figures once every run is in."""
+    if row is not None:
+        if "skip" in row or "error" in row:
+            return row
+        return _runs(v, src, fmt, work, runs, ctx, timeout, row)
+    row = {"variant": v.name, "kind": v.kind, "device": v.device, "source": fmt, "out_format": v.out_format,
+           "runs": []}
     if v.skip:
         return row | {"skip": v.skip}
     if v.kind in ("naive", "llmc") and fmt != "bf16":
         return row | {"skip": "bf16 sources only"}
-    if v.kind == "decode" and fmt != "fp8":
-        return row | {"skip": "FP8 sources only"}
+    if v.kind == "decode" and fmt == "bf16":
+        return row | {"skip": "quantized sources only"}
     if v.kind == "llmc" and ctx["llmc_skip"]:
         return row | {"skip": ctx["llmc_skip"]}
     if v.kind == "stream" and ctx["stream_skip"]:
         return row | {"skip": ctx["stream_skip"]}
+    return _runs(v, src, fmt, work, runs, ctx, timeout, row)
+
+
+def _runs(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, timeout: float, row: dict) -> dict:
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name)
     base = work / "runs" / f"{fmt}-{safe}"
     out = base / "out"
     files = shard_files(src)
     py = sys.executable
-    row["runs"] = []
-    for i in range(runs):
+    for i in range(len(row["runs"]), len(row["runs"]) + runs):
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
         env, unset, gpu, watch = {}, (), v.device.startswith("cuda"), None
@@ -887,6 +1073,10 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
             cmd = [py, "-c", DECODE, str(src)]
         elif v.kind == "expq":
             args = ["convert", str(src), str(out), "--device", v.device, "--json"]
+            if v.out_format:  # the acknowledgement changes no byte; families that need it refuse without it
+                args += ["--format", v.out_format, "--allow-random-experts-in-transformers"]
+            if v.code:  # also its working directory: `python -m` puts that first on the path
+                env["PYTHONPATH"] = str(v.code)
             cmd = [py, "-c", EXPQ_CLI_GPU, *args] if gpu else [py, "-m", "expq.cli", *args]
         else:  # stream
             server = ctx["hub"]()
@@ -896,18 +1086,18 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
                        HF_HUB_DISABLE_UPDATE_CHECK="1")
             unset = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                      "HUGGINGFACE_HUB_CACHE", "HF_TOKEN_PATH")
-            cmd = [py, "-c", STREAM, ctx["repo_id"], str(out), v.device]
+            cmd = [py, "-c", STREAM, ctx["repo_id"], str(out), v.device, v.out_format or "auto"]
             watch = base
         warm(files)
         cached = cached_fraction(files)
         r = meter(cmd, work / "logs" / f"{fmt}-{safe}-{i}", env=env, unset_env=unset, gpu=gpu, disk_watch=watch,
-                  timeout=timeout)
+                  timeout=timeout, cwd=v.code or REPO)
         r["cached"] = cached
         r["output_bytes"] = tree_bytes(out)
         row["runs"].append(r)
         status = "ok" if r["rc"] == 0 else f"FAILED ({r.get('error')})"
-        print(f"  {v.name} [{fmt}] run {i + 1}/{runs}: {r['wall']:.2f} s, peak RSS {r['ru_maxrss'] / 1e9:.2f} GB, "
-              f"{status}", file=sys.stderr)
+        print(f"  {v.name} [{fmt}] run {i + 1}: {r['wall']:.2f} s, {r['cpu_seconds']:.1f} CPU s, peak RSS "
+              f"{r['ru_maxrss'] / 1e9:.2f} GB, {status}, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
         if r["rc"] != 0:
             if (r.get("child") or {}).get("unavailable"):
                 row["skip"] = "not available: " + r["child"]["unavailable"]
@@ -915,7 +1105,15 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
                 row["error"] = r.get("error")
             break
     shutil.rmtree(base, ignore_errors=True)
+    return row
+
+
+def summarize(row: dict) -> dict:
+    """The row's figures from its runs (median seconds and CPU s, max memory and disk)."""
+    if "skip" in row:
+        return row
     ok = [r for r in row["runs"] if r["rc"] == 0]
+    v_kind, gpu = row["kind"], row["device"].startswith("cuda")
     if ok and "error" not in row and "skip" not in row:
         row["seconds"] = statistics.median(r["wall"] for r in ok)
         row["rss"] = max(max(r["ru_maxrss"], r["tree_rss_peak"] if r["procs"] > 1 else 0) for r in ok)
@@ -923,13 +1121,15 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
         row["cpu_seconds"] = statistics.median(r["cpu_seconds"] for r in ok)
         row["cached_min"] = min((r["cached"] for r in ok if r["cached"] is not None), default=None)
         row["output_bytes"] = max(r["output_bytes"] for r in ok)
-        if v.kind == "expq":
+        if v_kind == "expq":
             row["bytes_out_reported"] = (ok[-1].get("child") or {}).get("bytes_out")
-        if v.kind == "llmc":
+        if v_kind == "llmc":
             row["versions"] = {k: (ok[-1].get("child") or {}).get(k)
                                for k in ("llmcompressor", "compressed_tensors", "torch")}
-        if v.kind == "decode":
+        if v_kind == "decode":
             row.update({k: statistics.median(r["child"][k] for r in ok) for k in ("read_s", "decode_s")})
+            row["elements"] = ok[-1]["child"]["elements"]
+            row["decode_ns_per_element"] = row["decode_s"] / max(1, row["elements"]) * 1e9
         if gpu:
             alloc = [sum(s["max_allocated"] for s in r["gpu_stats"] or []) for r in ok]
             resv = [sum(s["max_reserved"] for s in r["gpu_stats"] or []) for r in ok]
@@ -937,7 +1137,7 @@ def run_variant(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dic
             row["gpu_max_allocated"] = max(alloc) if any(r["gpu_stats"] for r in ok) else None
             row["gpu_max_reserved"] = max(resv) if any(r["gpu_stats"] for r in ok) else None
             row["gpu_smi_peak"] = max(smi) if smi else None
-        if v.kind == "stream":
+        if v_kind == "stream":
             row["disk_peak_sampled"] = max(r["disk_peak"] or 0 for r in ok)
             peaks = [(r.get("child") or {}).get("stream_peak_bytes") for r in ok]
             row["stream_peak_bytes"] = max(p for p in peaks if p is not None) if any(
@@ -979,6 +1179,8 @@ def table(rows: list[dict], src_info: dict) -> str:
     for r in rows:
         label = labels.get(r["kind"], f"expq convert ({r['device']})" if r["kind"] == "expq" else
                            f"expq convert --stream ({r['device']})")
+        if r["variant"].startswith("baseline "):
+            label = "baseline " + label
         if r["kind"] == "llmc" and r["device"] != "cpu":
             label += f" ({r['device']})"
         if "seconds" not in r:
@@ -994,7 +1196,10 @@ def table(rows: list[dict], src_info: dict) -> str:
         if r["kind"] == "stream":
             disk = f"{gb(r.get('stream_peak_bytes'), '')} report / {gb(r.get('disk_peak_sampled'), '')} sampled GB"
         if r["kind"] == "decode":
-            label += f" (read {r['read_s']:.2f} s, decode {r['decode_s']:.2f} s)"
+            label += (f" (read {r['read_s']:.2f} s, decode {r['decode_s']:.2f} s: "
+                      f"{r['decode_ns_per_element']:.2f} ns/element on {CORES} cores)")
+        if r.get("out_format"):
+            label += f" → {r['out_format']}"
         cached = "—" if r.get("cached_min") is None else f"{100 * r['cached_min']:.0f}%"
         bold = r["kind"] in ("expq", "stream")
         sec = f"**{r['seconds']:.2f}**" if bold else f"{r['seconds']:.2f}"
@@ -1015,7 +1220,14 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=REPO / "build" / "bench-convert")
     ap.add_argument("--shard-size", type=parse_size, default=None,
                     help="source shard size (default 5GB; tiny: 16MB)")
-    ap.add_argument("--source-format", choices=("bf16", "fp8", "both"), default="bf16")
+    ap.add_argument("--source-format", choices=("bf16", "fp8", "both"), default="bf16",
+                    help="bf16 models: the bf16 checkpoint, its FP8 twin, or both (deepseek-v3 is built FP8 and "
+                    "gpt-oss-120b MXFP4, as they ship, whatever this says)")
+    ap.add_argument("--formats", default=",".join(OUT_FORMATS),
+                    help="expq's output formats, each expq variant runs once per format (default: both)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a directory holding another expq package (e.g. `git archive REV expq | tar -x -C DIR`): "
+                    "each expq variant also runs with it, as 'baseline ...', side by side in the same run")
     ap.add_argument("--llmc-python", type=Path, default=LLMC_PYTHON)
     ap.add_argument("--llmc-device", default="cpu", help="device for the llmc variant (default cpu)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per run, at most")
@@ -1029,7 +1241,7 @@ def main() -> None:
     if a._build:  # child process: build one checkpoint (keeps the benchmark process small)
         name, path, fmt = a._build
         spec = model_spec(name, a.shard_size)
-        if fmt == "bf16":
+        if fmt == spec.native:
             build_checkpoint(spec, Path(path))
         else:
             build_fp8_twin(Path(path).parent / "src-bf16", Path(path))
@@ -1040,10 +1252,13 @@ def main() -> None:
     formats = ["bf16", "fp8"] if a.source_format == "both" else [a.source_format]
     a.work.mkdir(parents=True, exist_ok=True)
 
+    def source_formats(spec: ModelSpec) -> list[str]:
+        return formats if spec.native == "bf16" else [spec.native]
+
     def build(spec: ModelSpec) -> dict[str, Path]:
         mdir = a.work / f"{spec.name.replace(':', '-')}-{spec.shard_size}"
         srcs = {}
-        for fmt in ["bf16"] + [f for f in formats if f != "bf16"]:
+        for fmt in [spec.native] + [f for f in source_formats(spec) if f != spec.native]:
             path = mdir / f"src-{fmt}"
             t = time.perf_counter()
             cmd = [sys.executable, __file__, "--_build", spec.name, str(path), fmt]
@@ -1066,7 +1281,17 @@ def main() -> None:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    variants = [make_variant(n, gpus, a.llmc_device) for n in parse_variants(a.variants)]
+    out_formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    variants = []
+    for n in parse_variants(a.variants):
+        v = make_variant(n, gpus, a.llmc_device)
+        if v.kind in ("expq", "stream"):
+            variants += [Variant(f"{v.name} [{f}]", v.kind, v.device, v.skip, f) for f in out_formats]
+            if a.baseline and v.kind == "expq":
+                variants += [Variant(f"baseline {v.name} [{f}]", v.kind, v.device, v.skip, f, a.baseline.resolve())
+                             for f in out_formats]
+        else:
+            variants.append(v)
     info = machine()
     ctx: dict = {"llmc_python": a.llmc_python, "llmc_skip": None, "stream_skip": None}
     if any(v.kind == "llmc" and not v.skip for v in variants):
@@ -1087,7 +1312,7 @@ def main() -> None:
     for spec in specs:
         srcs = build(spec)
         by_fmt: dict[str, dict] = {}
-        for fmt in formats:
+        for fmt in source_formats(spec):
             src = srcs[fmt]
             files = shard_files(src)
             bytes_in = sum(p.stat().st_size for p in files)
@@ -1109,13 +1334,17 @@ def main() -> None:
 
             ctx["hub"], ctx["repo_id"] = hub, f"bench/{spec.name.replace(':', '-')}-{fmt}"
             print(f"{spec.name} [{fmt}]: {bytes_in / 1e9:.2f} GB in {len(files)} shards", file=sys.stderr)
-            rows = []
-            try:
-                for v in variants:
-                    row = run_variant(v, src, fmt, mdir, a.runs, ctx, a.timeout)
-                    if v.kind == "floor" and "seconds" in row:
-                        src_info["floor_seconds"] = row["seconds"]
-                    rows.append(row)
+            rows: list[dict] = []
+            try:  # round by round (one run of each variant), so that the machine's load falls on all alike
+                for i in range(a.runs):
+                    for k, v in enumerate(variants):
+                        row = run_variant(v, src, fmt, mdir, 1, ctx, a.timeout, rows[k] if i else None)
+                        if not i:
+                            rows.append(row)
+                rows = [summarize(r) for r in rows]
+                for r in rows:
+                    if r["kind"] == "floor" and "seconds" in r:
+                        src_info["floor_seconds"] = r["seconds"]
             finally:
                 if server is not None:
                     server.stop()
@@ -1131,7 +1360,7 @@ def main() -> None:
                     f" {info.get('cpu', '?')}, {info['cores_usable']} cores, "
                     f"{info.get('ram_bytes', 0) / GIB:.0f} GiB"
                     f"{', ' + ', '.join(info['gpus']) if info['gpus'] else ''}, torch {info['torch']}.\n")
-            if fmt == "fp8":
+            if fmt == "fp8" and spec.native == "bf16":
                 head = head.replace(", bf16;", ", its FP8 twin (F8_E4M3 projections, 128x128 block scales);")
             text = head + "\n" + table(rows, src_info)
             if checks:
@@ -1147,7 +1376,7 @@ def main() -> None:
             if lines:
                 report.append(f"### {spec.name}: FP8 source / bf16 source\n\n" + "\n".join(lines))
         if a.delete_sources_after:
-            shutil.rmtree(srcs["bf16"].parent, ignore_errors=True)
+            shutil.rmtree(next(iter(srcs.values())).parent, ignore_errors=True)
 
     growth = []
     for variant, by_model in rss_by_model.items():

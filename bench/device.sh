@@ -21,6 +21,10 @@
 #   bash bench/device.sh kernel-ir     # bench/kernel_ir.py with this machine's Triton: the table's configs, GEMM1 and 2
 #   bash bench/device.sh plugin-check  # needs install: both formats of one fixture served by vLLM 0.24 vs online
 #                                      # experts_int8 (serve_check.py from ../shared/tools/offline-vllm, or SERVE_CHECK)
+#   bash bench/device.sh convert28     # bench/convert.py on the GPU against the I/O floor, both output formats: bf16
+#                                      # Qwen3-30B-A3B (12 layers) and Mixtral-8x7B (4 layers), DeepSeek-V3 FP8 (2
+#                                      # layers), GPT-OSS-120B MXFP4 (4 layers); one run each (RUNS), 520 s in all,
+#                                      # at most ~35 GB of disk at a time (each model's files deleted after it)
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -162,6 +166,20 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
      wait)
     grep -h "^ran\|Error" "$r"/*.log | tail -6 || true
     python3 "$sc" compare "$r/online.json" "$r/ct.json" "$r/ei8.json" 2>&1 | tee "$r/compare.txt" ;;
+  convert28)
+    # one bench/convert.py per model (a JSON each, even if a later one runs out of time), within one deadline
+    export PYTHONPATH=$PWD
+    mkdir -p "$OUT/convert28"
+    deadline=$((SECONDS + ${BUDGET_S:-520}))
+    for m in qwen3-30b-a3b:12 mixtral-8x7b:4 deepseek-v3:2 gpt-oss-120b:4; do
+      left=$((deadline - SECONDS))
+      [ "$left" -gt 40 ] || { echo "convert28: no time left for $m"; break; }
+      timeout "$left" python3 bench/convert.py --model "$m" --variants floor,expq-cuda,decode --runs "${RUNS:-1}" \
+        --work /tmp/bench28 --delete-sources-after --json "$OUT/convert28/${m%%:*}.json" \
+        > "$OUT/convert28/${m%%:*}.md" 2> "$OUT/convert28/${m%%:*}.log" || echo "convert28: $m stopped ($?)"
+      grep -E "^\| |PASS|FAIL" "$OUT/convert28/${m%%:*}.md" || tail -3 "$OUT/convert28/${m%%:*}.log"
+    done
+    rm -rf /tmp/bench28 ;;
   *)
-    sed -n '2,23p' "$0"; exit 2 ;;
+    sed -n '2,27p' "$0"; exit 2 ;;
 esac

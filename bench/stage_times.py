@@ -1,6 +1,7 @@
 """Where a conversion's time goes, stage by stage: wall and CPU seconds of each pipeline stage, in one process.
 
-    python bench/stage_times.py SRC OUT [--device cpu|cuda|...] [--repeat N]
+    python bench/stage_times.py SRC OUT [--device cpu|cuda|...] [--format auto|compressed-tensors|experts-int8]
+                                        [--repeat N]
 
 Wraps the pipeline's stage functions (reading a tensor, the scheme on its rows, packing, positional writes, copies
 of passthrough tensors, the shard hasher, fsync) with timers, runs ``expq.convert`` and prints, per stage, the
@@ -54,10 +55,12 @@ def main() -> None:
     ap.add_argument("src")
     ap.add_argument("out")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--format", default="auto", help="output format (default: the family's)")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     timed(pipeline, "read_tensor", "read (readinto)")
     timed(pipeline, "quantize_matrix", "scheme (its CPU time: in 'rest')")
+    timed(pipeline._FrontPass, "_job", "front pass (scales, copies)")
     timed(ct, "pack_codes", "pack")
     timed(pipeline._DevicePipeline, "_to_host", "copy back to host")
     timed(pipeline, "copy_bytes", "passthrough copy")
@@ -70,7 +73,7 @@ def main() -> None:
         shutil.rmtree(args.out, ignore_errors=True)
         ACC.clear()
         t, c = time.perf_counter(), time.process_time()
-        rep = expq.api.convert(args.src, args.out, device=args.device)
+        rep = expq.api.convert(args.src, args.out, device=args.device, format=args.format)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         print(f"run {i + 1}: {rep.bytes_in / 1e9:.2f} GB in, {wall:.2f} s wall, {cpu:.2f} s CPU (process), "
               f"{rep.bytes_in / wall / 1e9:.2f} GB/s")

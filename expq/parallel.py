@@ -2,26 +2,74 @@
 
 While a CPU pipeline runs, torch is single-threaded (OpenMP teams spin-wait for each other and slow down several
 times over when the pipeline's read, write and hash threads share the cores) and this module holds a pool of one
-thread per core. The scheme's row blocks and the decoders' bands go through ``each``; outside a conversion (or on a
-GPU) ``each`` simply runs the items in turn, in the calling thread.
+thread per core (``Pool``). The scheme's row blocks and the decoders' bands go through ``each``; outside a conversion
+(or on a GPU) ``each`` simply runs the items in turn, in the calling thread. Work queued from a thread inside
+``first()`` (the scale pass) is taken before the rest, so that a small pass others wait for is never stuck behind
+the bulk of the work.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+import itertools
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-_pool: Executor | None = None
+_pool: "Pool | Executor | None" = None
+_local = threading.local()
 
 
-def pool() -> Executor | None:
+class Pool:
+    """``threads`` worker threads taking work from one priority queue (lower first, then in submission order)."""
+
+    def __init__(self, threads: int, name: str = "expq-pool"):
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (task := self._q.get())[2] is not None:
+            fut, fn, item = task[2:]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(item))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                    fut.set_exception(e)
+
+    def run(self, fn: Callable, items: list, priority: int) -> None:
+        """``fn(item)`` for every item on the workers; returns when all are done (raises the first exception)."""
+        futs = []
+        for it in items:
+            fut: Future = Future()
+            self._q.put((priority, next(self._seq), fut, fn, it))
+            futs.append(fut)
+        for fut in futs:
+            fut.result()
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put((float("inf"), next(self._seq), None, None, None))
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def pool() -> "Pool | Executor | None":
     """The pool in use, or None."""
     return _pool
 
 
 @contextmanager
-def using(executor: Executor | None) -> Iterator[None]:
+def using(executor: "Pool | Executor | None") -> Iterator[None]:
     """Make ``executor`` the pool for the duration (restores the previous one)."""
     global _pool
     before, _pool = _pool, executor
@@ -31,6 +79,16 @@ def using(executor: Executor | None) -> Iterator[None]:
         _pool = before
 
 
+@contextmanager
+def first() -> Iterator[None]:
+    """In this thread, for the duration, ``each`` queues its items ahead of everything else queued on a ``Pool``."""
+    before, _local.priority = getattr(_local, "priority", 1), 0
+    try:
+        yield
+    finally:
+        _local.priority = before
+
+
 def each(fn: Callable, items: Iterable) -> None:
     """``fn(item)`` for every item, spread over the pool when there is one (items must be independent: they write
     disjoint parts of their outputs); exceptions propagate."""
@@ -38,6 +96,9 @@ def each(fn: Callable, items: Iterable) -> None:
     if _pool is None or len(items) < 2:
         for it in items:
             fn(it)
+        return
+    if isinstance(_pool, Pool):
+        _pool.run(fn, items, getattr(_local, "priority", 1))
         return
     for _ in _pool.map(fn, items):
         pass

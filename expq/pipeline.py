@@ -6,14 +6,19 @@ and writing overlap:
 
 * **read**: the stored bytes of the next job, one ``readinto`` of each tensor's whole span (into pinned host memory
   when the device is a GPU); a byte budget (``PIPELINE_BYTES``) caps what is read ahead and not yet written;
-* **compute**: decode (quantized non-expert tensors), or cast to the compute dtype on the device and run the
-  experts_int8 scheme on every row of every routed-expert matrix of the tensor (``scheme.quantize_matrix``: row
-  blocks that stay in cache on a CPU; on a GPU asynchronous copies on the pipeline's own stream and one
-  synchronisation per tensor), then the format's ``encode``; outputs come back to pinned host buffers;
+* **compute**: decode (quantized source tensors, on the pipeline's device), cast to the compute dtype on the device
+  and run the experts_int8 scheme on every row of every routed-expert matrix of the tensor
+  (``scheme.quantize_matrix``: row blocks over the thread pool on a CPU; on a GPU asynchronous copies on the
+  pipeline's own stream and one synchronisation per tensor), then the format's ``encode``; outputs come back to
+  pinned host buffers;
 * **write**: positional writes at the offsets the plan fixed (``copy_file_range`` for copied tensors); the shard
   hasher follows the written prefix, so a shard is hashed, fsync'd and journaled as soon as its last byte lands.
 
 Within a unit, jobs run in the order their largest outputs lie in the output file, so shards fill front to back.
+Where a shard lays out small tensors in front of its codes (experts-int8: the F32 scales of every matrix, then the
+copied and decoded tensors, then the int8 codes), a **front pass** (``_FrontPass``) writes them ahead of the
+pipelines (the scales from one read of each value), so that the shard's hash follows its codes as they are written
+instead of waiting for the shard's last job and reading the whole shard back.
 The output bytes do not depend on the number of devices, their kind or their order.
 """
 
@@ -22,19 +27,18 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
-from . import parallel
+from . import cpu_kernels, parallel
 from .errors import NonFiniteError
 from .interrupts import StopSignal
-from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, read_tensor
+from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, map_tensor, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan
-from .scheme import quantize_matrix
+from .scheme import matrix_scales, quantize_matrix
 from .writer import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
@@ -128,6 +132,7 @@ class _Item:
     parts: dict[TensorInfo, torch.Tensor] | None = None  # stored tensors read (read stage)
     writes: list[tuple[OutTensor, torch.Tensor]] = field(default_factory=list)  # host tensors to write (compute)
     rows_found: dict | None = None
+    front_done: bool = False  # the front pass writes this job's front outputs (``_FrontPass``)
 
 
 class _Halt(Exception):
@@ -170,6 +175,12 @@ class _Run:
         self.errors: list[BaseException] = []
         self.units: queue.SimpleQueue = queue.SimpleQueue()
         self.readers: dict[str, int] = {}
+        # the front pass (``_FrontPass``): job index -> its front outputs; the jobs claimed (by the front pass or a
+        # pipeline: whoever claims a job first writes its front outputs); units the read threads have taken
+        self.front: dict[int, list[OutTensor]] = {}
+        self.claimed: dict[int, str] = {}
+        self.units_taken = 0
+        self.taken = threading.Condition()
 
     def halted(self) -> bool:
         return self.stop.is_set() or self.failed.is_set()
@@ -194,6 +205,27 @@ class _Run:
             except queue.Empty:
                 if self.halted():
                     raise _Halt from None
+
+    def unit_taken(self) -> None:
+        with self.taken:
+            self.units_taken += 1
+            self.taken.notify_all()
+
+    def wait_taken(self, n: int) -> None:
+        """Block until the read threads have taken ``n`` units (or the run stops: ``_Halt``)."""
+        with self.taken:
+            while self.units_taken < n:
+                if self.halted():
+                    raise _Halt
+                self.taken.wait(0.1)
+
+    def claim(self, index: int, who: str) -> bool:
+        """Claim job ``index``'s front outputs for ``who`` ("front" or "pipeline"); False if already claimed."""
+        with self.lock:
+            if index in self.claimed:
+                return False
+            self.claimed[index] = who
+            return True
 
     def job_done(self, job: Job) -> None:
         if self.feeder is None:
@@ -250,6 +282,7 @@ class _DevicePipeline:
                 unit = run.units.get_nowait()
             except queue.Empty:
                 break
+            run.unit_taken()
             for index, job in unit:
                 item = _Item(index, job, cost=0 if job.kind is JobKind.COPY else
                              job.tensor.nbytes_stored + sum(o.nbytes for o in job.outputs))
@@ -259,7 +292,8 @@ class _DevicePipeline:
                         run.feeder.wait(f)
                 if run.halted():
                     raise _Halt
-                if job.kind is not JobKind.COPY:
+                item.front_done = index in run.front and not run.claim(index, "pipeline")
+                if job.kind is JobKind.QUANTIZE or (job.kind is JobKind.DECODE and not item.front_done):
                     item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.tensor.parts}
                 run.put(self.read_q, item)
         run.put(self.read_q, _END)
@@ -271,11 +305,14 @@ class _DevicePipeline:
             self.stream = torch.cuda.Stream(self.device)
         while (item := run.get(self.read_q)) is not _END:
             job = item.job
-            if job.kind is JobKind.DECODE:
-                item.writes = [(job.outputs[0], self._logical(item))]
-                _check_decoded(job, item.writes[0][1], run.allow_nonfinite)
-            elif job.kind is JobKind.QUANTIZE:
-                with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+                if job.kind is JobKind.DECODE and not item.front_done:
+                    t = self._logical(item)
+                    _check_decoded(job, t, run.allow_nonfinite)
+                    item.writes = [(job.outputs[0], self._to_host(t))]
+                    if self.cuda:
+                        self.stream.synchronize()
+                elif job.kind is JobKind.QUANTIZE:
                     self._quantize(item)
             item.parts = None
             run.put(self.write_q, item)
@@ -285,7 +322,8 @@ class _DevicePipeline:
         src = item.job.tensor
         if not src.decoded:
             return item.parts[src.stored]
-        return self.run.plan.source.decoder.decode(src, item.parts.__getitem__)
+        device = self.device if self.cuda else None
+        return self.run.plan.source.decoder.decode(src, item.parts.__getitem__, device=device)
 
     def _quantize(self, item: _Item) -> None:
         plan, job = self.run.plan, item.job
@@ -306,6 +344,9 @@ class _DevicePipeline:
             item.writes += [(o, self._to_host(x)) for o, (_, x) in zip(outs, tensors)]
         if self.cuda:
             self.stream.synchronize()  # the copies back to the host are done
+        if item.front_done:
+            front = {o.name for o in self.run.front[item.index]}
+            item.writes = [(o, x) for o, x in item.writes if o.name not in front]
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -323,7 +364,8 @@ class _DevicePipeline:
                 with run.lock:
                     run.stats.by_job[item.index] = item.rows_found
             if job.kind is JobKind.COPY:
-                _run_copy(run.plan, job, run.shards)
+                if not item.front_done:
+                    _run_copy(run.plan, job, run.shards)
             else:
                 for out, x in item.writes:
                     run.shards.write(out, x)
@@ -333,6 +375,120 @@ class _DevicePipeline:
             run.job_done(job)
             if run.on_progress:
                 run.on_progress(job.tensor.nbytes_stored, len(run.shards.closed))
+
+
+def front_outputs(plan: Plan, jobs: list[tuple[int, Job]]) -> dict[int, list[OutTensor]]:
+    """The outputs written ahead of the pipelines (``_FrontPass``), by job index: those that lie in front of the
+    routed-expert codes of their shard and that the run can produce cheaply. In experts-int8 a shard lays out its
+    4-byte tensors (the F32 scales of every matrix), then its 2-byte ones (the copied and decoded tensors), then the
+    int8 codes; in compressed-tensors the packed codes come first and nothing needs to go ahead.
+
+    * a quantize job: each matrix's outputs in front of its largest one (the scales; computed at run time);
+    * a copy or decode job: its output, where it lies in front of the last codes of its shard.
+    """
+    bulk: dict[int, int] = {}  # shard -> offset of its last codes tensor
+    for _, j in jobs:
+        if j.kind is JobKind.QUANTIZE:
+            for g in j.groups:
+                big = max(g, key=lambda o: o.nbytes)
+                bulk[big.shard] = max(bulk.get(big.shard, -1), big.offset)
+    out: dict[int, list[OutTensor]] = {}
+    for i, j in jobs:
+        if j.kind is JobKind.QUANTIZE:
+            front = [o for g in j.groups for o in g if o is not max(g, key=lambda o: o.nbytes) and o.value is None
+                     and o.offset < max(g, key=lambda o: o.nbytes).offset]
+        else:
+            front = [o for o in j.outputs if o.offset < bulk.get(o.shard, -1)]
+        if front:
+            out[i] = front
+    return out
+
+
+class _FrontPass:
+    """Writes the front of every shard (``front_outputs``: the scales, the copied and the decoded tensors of an
+    experts-int8 shard) ahead of the pipelines, so that each shard's hash follows its codes from memory as they are
+    written, instead of waiting for the shard's last job and reading the whole shard back at the end.
+
+    One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
+    hashes wait for it, and it is small: one read of each value). It goes through the units in the order the
+    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
+    read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
+    (``_Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
+    the pipeline skips these outputs):
+
+    * a copy job: copied (``copy_bytes``); a decode job: decoded and written;
+    * a quantize job: its stored tensors mapped (``io.safetensors.map_tensor``: no copy), decoded if stored quantized, the
+      row absmax and the scales taken (``scheme.matrix_scales``: the bits ``quantize_matrix`` gives), and the
+      format's encoding of those scales written.
+
+    Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
+    read of the values), else on the first GPU of the run if there is one, else the CPU. Not used with a source
+    feeder (``--stream``: files arrive one window at a time).
+    """
+
+    def __init__(self, run: _Run, units: list[list[tuple[int, Job]]], devices: list[torch.device]):
+        self.run, self.units = run, units
+        self.gpu = next((d for d in devices if d.type == "cuda"), None)
+        self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self) -> None:
+        while self.thread.is_alive():
+            self.thread.join(0.1)
+
+    def _main(self) -> None:
+        try:
+            if self.gpu is not None:
+                torch.cuda.set_device(self.gpu)
+            with torch.cuda.stream(torch.cuda.Stream(self.gpu)) if self.gpu is not None else nullcontext(), \
+                    parallel.first():
+                for k, unit in enumerate(self.units):
+                    self.run.wait_taken(k)
+                    front = self.run.front
+                    # in the order the outputs lie in the shards: the hashes pass them in that order
+                    for index, job in sorted((ij for ij in unit if ij[0] in front),
+                                             key=lambda ij: min((o.shard, o.offset) for o in front[ij[0]])):
+                        if self.run.halted():
+                            raise _Halt
+                        if index in self.run.front and self.run.claim(index, "front"):
+                            self._job(index, job)
+        except _Halt:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.run.fail(e)
+
+    def _device(self, job: Job) -> torch.device:
+        if self.gpu is None or (not job.tensor.decoded and cpu_kernels.active() == "numba"):
+            return torch.device("cpu")
+        return self.gpu
+
+    def _job(self, index: int, job: Job) -> None:
+        run, plan, src = self.run, self.run.plan, job.tensor
+        if job.kind is JobKind.COPY:
+            _run_copy(plan, job, run.shards)
+            return
+        device = self._device(job)
+        parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
+        t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
+            if src.decoded else parts[src.stored]
+        del parts
+        if job.kind is JobKind.DECODE:
+            _check_decoded(job, t, run.allow_nonfinite)
+            run.shards.write(job.outputs[0], t.cpu())
+            return
+        w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
+        del t
+        scales = matrix_scales(w)
+        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(w.shape)  # the codes: not part of the front
+        del w
+        front = {o.name for o in run.front[index]}
+        for group, tensors in zip(job.groups, plan.format.encode(stub, scales, job.expert.matrices)):
+            outs = [o for o in group if o.value is None]
+            for o, (_, x) in zip(outs, tensors):
+                if o.name in front:
+                    run.shards.write(o, x.cpu())
 
 
 def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
@@ -453,8 +609,11 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
             for f in dict.fromkeys(p.file for p in j.tensor.parts):
                 run.readers[f] = run.readers.get(f, 0) + 1
     pipes = [_DevicePipeline(run, d) for d in devices]
+    if feeder is None:
+        run.front = front_outputs(plan, todo)
+    front = _FrontPass(run, units, devices) if run.front else None
     with cpu_threads(any(d.type == "cpu" for d in devices)):
-        _run_pipelines(run, pipes, shards, feeder, on_progress)
+        _run_pipelines(run, pipes, shards, feeder, on_progress, front)
     for p in pipes:
         key = str(p.device)
         stats.jobs_by_device[key] = stats.jobs_by_device.get(key, 0) + p.count
@@ -480,20 +639,20 @@ def cpu_threads(active: bool):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max(1, cores), thread_name_prefix="expq-rows") as pool, parallel.using(pool):
+        with parallel.Pool(max(1, cores), "expq-rows") as pool, parallel.using(pool):
             yield
     finally:
         torch.set_num_threads(before)
 
 
 def _run_pipelines(run: _Run, pipes: list[_DevicePipeline], shards: ShardSet, feeder: SourceFeeder | None,
-                   on_progress: Callable[[int, int], None] | None) -> None:
+                   on_progress: Callable[[int, int], None] | None, front: _FrontPass | None) -> None:
     try:
         if feeder is not None:
             feeder.start(list(run.readers))
-        for p in pipes:
+        for p in (*pipes, *([front] if front else [])):
             p.start()
-        for p in pipes:
+        for p in (*pipes, *([front] if front else [])):
             p.join()
         if not run.errors and not run.stop.is_set():
             shards.wait_closed(run.stop)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import parallel
+from . import cpu_kernels, parallel
 from .options import DTYPE_ALIASES, DTYPE_NAMES
 
 INT8_MAX = 127
@@ -165,8 +165,8 @@ def inspect_rows(amax: torch.Tensor, scales: torch.Tensor) -> RowReport:
 
 
 CPU_BLOCK_ELEMS = 1 << 20
-"""Elements per row block on a CPU (2 MiB of bf16): the block and its quotient stay in cache while the arithmetic's
-passes run over it, each using every core (torch's intra-op threads); measured best of 64K-4M on 2 cores."""
+"""Elements per row block on a CPU (2 MiB of bf16): one item of work for the thread pool; for the torch path, the
+block and its quotient stay in cache while its passes run over it (measured best of 64K-4M on 2 cores)."""
 
 
 def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowReport]:
@@ -180,15 +180,16 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[to
     Returns:
         (codes int8 [rows, in], scales [rows] in w.dtype, RowReport).
 
+    On a CPU with ``cpu_kernels.active() == "numba"`` each row block goes through the fused one-pass kernel
+    (``cpu_kernels.quantize_rows_into``); otherwise through torch ops (``_torch_block``), which also run on a GPU.
+    Both give the same bits (``tests/test_scheme.py`` runs against each).
+
     Absmax: ``|w|`` is ``w``'s bits with the sign bit cleared, and for non-negative IEEE values the order of the
     bits as integers is the order of the values (+inf below every NaN), so the row absmax is taken as the integer
     maximum of those bits (about twice as fast as ``abs`` then ``amax`` in bf16 on a CPU; the same value, -0.0
     giving +0.0). A NaN scale (a row holding NaN) is stored as the canonical quiet NaN (``canonical_nan_``). The
-    quotient can be NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the rest of the
-    arithmetic is then redone for them by ``quantize_rows``). Clamp: division by a positive scale and rounding are
-    both monotonic, so a row's largest rounded quotient magnitude is that of its absmax, ``round(amax / scale)``;
-    where no row of a block exceeds 127 the clamp changes nothing and is skipped (nearly always: it can only bite
-    when the scale rounded far below amax/127, i.e. subnormal fp16 scales).
+    quotient can be NaN only where the scale is 0 or not finite; only those rows go through the NaN-to-0 step (the
+    rest of the arithmetic is then redone for them by ``quantize_rows``).
 
     The blocks go through ``parallel.each``: spread over the conversion's thread pool while a CPU conversion runs
     (torch single-threaded, one thread per core: OpenMP's spinning teams collapse when the cores are shared with the
@@ -197,35 +198,68 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[to
     Raises:
         ValueError: ``w`` is not 2-D or not a float tensor.
     """
+    codes, scales, amax = _quantize(w, block_elems, with_codes=True)
+    return codes, scales, inspect_rows(amax, scales)
+
+
+def matrix_scales(w: torch.Tensor) -> torch.Tensor:
+    """The scales ``quantize_matrix(w)`` returns (NaN stored canonical), without computing the codes: one pass of
+    the absmax. [rows] in ``w.dtype``.
+
+    Raises:
+        ValueError: ``w`` is not 2-D or not a float tensor.
+    """
+    return _quantize(w, None, with_codes=False)[1]
+
+
+def _quantize(w: torch.Tensor, block_elems: int | None, with_codes: bool):
+    """(codes or None, scales, amax) of ``w`` by row blocks; see ``quantize_matrix``."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_matrix expects a 2-D float tensor, got {tuple(w.shape)} {w.dtype}")
     rows, cols = w.shape
     if block_elems is None:
         block_elems = CPU_BLOCK_ELEMS if w.device.type == "cpu" else rows * cols
     step = max(1, block_elems // max(cols, 1))
-    codes = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
+    codes = torch.empty((rows, cols), dtype=torch.int8, device=w.device) if with_codes else None
     amax = torch.empty(rows, dtype=w.dtype, device=w.device)
     scales = torch.empty(rows, dtype=w.dtype, device=w.device)
+    fused = w.device.type == "cpu" and w.is_contiguous() and cpu_kernels.active() == "numba"
 
     def block(r0: int) -> None:
         r1 = min(rows, r0 + step)
-        wb, ab, sb = w[r0:r1], amax[r0:r1], scales[r0:r1]
-        qb = _scratch(r1 - r0, cols, w.dtype, w.device)
-        bits, sign_off = _MAGNITUDE_BITS[w.dtype]  # |w| as integers: the sign bit cleared (see below)
-        torch.amax(torch.bitwise_and(wb.view(bits), sign_off, out=qb.view(bits)), dim=1, out=ab.view(bits))
-        sb.copy_(scales_from_absmax(ab))
-        torch.div(wb, sb.unsqueeze(1), out=qb)  # true division, rounded to w.dtype (first rounding)
-        qb.round_()  # half to even (second rounding)
-        if bool((torch.div(ab, sb).round_() > INT8_MAX).any()):  # see "clamp" below
-            qb.clamp_(-INT8_MAX, INT8_MAX)
-        codes[r0:r1].copy_(qb)
+        if fused:
+            cpu_kernels.quantize_rows_into(w, codes, amax, scales, r0, r1)
+        else:
+            _torch_block(w[r0:r1], None if codes is None else codes[r0:r1], amax[r0:r1], scales[r0:r1])
 
     parallel.each(block, range(0, rows, step))
     nan_rows = ~(scales != 0) | ~torch.isfinite(scales)  # only there can w / scale be NaN (0/0, x/NaN, inf/inf)
     if bool(nan_rows.any()):
-        codes[nan_rows] = quantize_rows(w[nan_rows], scales[nan_rows])[0]
+        if codes is not None:
+            codes[nan_rows] = quantize_rows(w[nan_rows], scales[nan_rows])[0]
         canonical_nan_(scales)
-    return codes, scales, inspect_rows(amax, scales)
+    return codes, scales, amax
+
+
+def _torch_block(wb: torch.Tensor, cb: torch.Tensor | None, ab: torch.Tensor, sb: torch.Tensor) -> None:
+    """One row block in torch ops (the reference path, and the GPU's): absmax, scales, then the codes into ``cb``.
+
+    Clamp: division by a positive scale and rounding are both monotonic, so a row's largest rounded quotient
+    magnitude is that of its absmax, ``round(amax / scale)``; where no row of a block exceeds 127 the clamp changes
+    nothing and is skipped (nearly always: it can only bite when the scale rounded far below amax/127, i.e.
+    subnormal fp16 scales)."""
+    rows, cols = wb.shape
+    qb = _scratch(rows, cols, wb.dtype, wb.device)
+    bits, sign_off = _MAGNITUDE_BITS[wb.dtype]  # |w| as integers: the sign bit cleared
+    torch.amax(torch.bitwise_and(wb.view(bits), sign_off, out=qb.view(bits)), dim=1, out=ab.view(bits))
+    sb.copy_(scales_from_absmax(ab))
+    if cb is None:
+        return
+    torch.div(wb, sb.unsqueeze(1), out=qb)  # true division, rounded to w.dtype (first rounding)
+    qb.round_()  # half to even (second rounding)
+    if bool((torch.div(ab, sb).round_() > INT8_MAX).any()):
+        qb.clamp_(-INT8_MAX, INT8_MAX)
+    cb.copy_(qb)
 
 
 _local = threading.local()

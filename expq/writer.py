@@ -53,6 +53,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -744,7 +745,10 @@ class _ShardHash:
         self.h = hashlib.sha256(header)
         self.pos = len(header)
         self.size = size  # the whole file: header + data
-        self.ready: list[tuple[int, int]] = []  # heap of written (start, end) byte ranges past ``pos``
+        # heap of written (start, end, bytes or None) ranges past ``pos``: with their bytes while the shard's
+        # memory allowance holds them (hashed from memory once ``pos`` gets there), else read back
+        self.ready: list[tuple[int, int, int, memoryview | None]] = []  # (start, end, arrival, bytes)
+        self.arrivals = 0  # orders empty ranges that share a start (never compares the bytes)
         self.writeback = writeback  # start writing hashed ranges to disk as we go
         self.synced = False  # the shard's fsync has returned
 
@@ -755,19 +759,44 @@ class _ShardHash:
             start_writeback(self.fd, self.pos, data.nbytes)
         self.pos += data.nbytes
 
-    def advance(self) -> bool:
-        """Hash what became contiguous; True once the whole file is hashed."""
+    def advance(self, release: Callable[[int], None]) -> bool:
+        """Hash what became contiguous; True once the whole file is hashed. Ranges whose bytes are held are hashed
+        from memory (``release(nbytes)`` then gives the allowance back); the rest is read back into one buffer, kept
+        between calls (a fresh 16 MiB object per read costs its page faults, about a sixth of the hash's time)."""
         while self.ready and self.ready[0][0] <= self.pos:
-            _, end = heapq.heappop(self.ready)
+            _, end, _, data = heapq.heappop(self.ready)
+            if data is not None:
+                self.take(data)
+                release(data.nbytes)
+                continue
             while self.pos < end:
-                chunk = os.pread(self.fd, min(HASH_CHUNK, end - self.pos), self.pos)
-                if not chunk:
+                view = _read_buffer()[: min(HASH_CHUNK, end - self.pos)]
+                n = os.preadv(self.fd, [view], self.pos) if hasattr(os, "preadv") else \
+                    _pread_into(self.fd, view, self.pos)
+                if not n:
                     raise OSError(errno.EIO, "short read back of a shard being written")
-                self.h.update(chunk)
+                self.h.update(view[:n])
                 if self.writeback:
-                    start_writeback(self.fd, self.pos, len(chunk))
-                self.pos += len(chunk)
+                    start_writeback(self.fd, self.pos, n)
+                self.pos += n
         return self.pos >= self.size
+
+
+_hash_buffer = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's read-back buffer (``HASH_CHUNK`` bytes)."""
+    buf = getattr(_hash_buffer, "view", None)
+    if buf is None:
+        buf = _hash_buffer.view = memoryview(bytearray(HASH_CHUNK))
+    return buf
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    data = os.pread(fd, len(view), pos)
+    view[: len(data)] = data
+    return len(data)
 
 
 class ShardSet:
@@ -791,7 +820,7 @@ class ShardSet:
         self._left = [len(m) for m in self._members]
         self._lock = threading.Condition()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the hasher (see _hash_loop); None: stop
-        self._held = 0  # bytes of written tensors waiting in _events to be hashed from memory
+        self._held = 0  # bytes of written tensors held for the hasher to hash from memory
         self._hasher: threading.Thread | None = None
         self.error: BaseException | None = None  # what stopped the hasher (a failed read back, fsync or journal)
         self.closed: list[int] = []
@@ -857,12 +886,14 @@ class ShardSet:
         if t is None:
             return
         fd, pos = t
-        mv = data
+        mv, start = data, pos
         try:
             _faults.hit("write")
             while mv.nbytes:
                 n = os.pwrite(fd, mv, pos)
                 mv, pos = mv[n:], pos + n
+            if self.fsync:  # to disk now, whether or not the hash has got here (the pages stay cached for it)
+                start_writeback(fd, start, data.nbytes)
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.plan.shard_names[out.shard],
                               tensor=out.name) from None
@@ -898,6 +929,10 @@ class ShardSet:
         except BaseException as e:  # noqa: BLE001 - the hasher raises it
             self._events.put((k, e))
 
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
     def _hash_loop(self) -> None:
         k = -1
         try:
@@ -909,14 +944,9 @@ class ShardSet:
                     hs.synced = True
                 else:
                     _, start, end, data = ev
-                    if data is not None:
-                        if start == hs.pos:
-                            hs.take(data)
-                        with self._lock:
-                            self._held -= data.nbytes
-                    if start > hs.pos or data is None:
-                        heapq.heappush(hs.ready, (start, end))
-                    hs.advance()
+                    hs.arrivals += 1
+                    heapq.heappush(hs.ready, (start, end, hs.arrivals, data))
+                    hs.advance(self._release)
                 if hs.pos >= hs.size and (hs.synced or not self.fsync):
                     self._close(k, hs)
         except BaseException as e:  # noqa: BLE001 - handed to the writers and to wait_closed

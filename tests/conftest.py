@@ -93,3 +93,20 @@ def pytest_report_header(config):
     return (f"arithmetic paths: OpenBLAS kernel {_openblas_core()}; numpy {numpy.__version__} SIMD "
             f"{'+'.join(simd) or 'baseline'}; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}")
 # ====================================== end of report header =========================================
+
+
+# =====================================================================================================
+# cpu_path fixture: runs a test once per CPU arithmetic path of expq.cpu_kernels (EXPQ_CPU_KERNEL=torch, the
+# reference, and =numba, the fused kernels), so that every exactness test proves each path.
+# =====================================================================================================
+@pytest.fixture(params=["torch", "numba"])
+def cpu_path(request, monkeypatch):
+    """The CPU path name, with EXPQ_CPU_KERNEL set to it for the test (numba: skipped where it is not installed)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("EXPQ_CPU_KERNEL", request.param)
+    from expq import cpu_kernels
+
+    assert cpu_kernels.active() == request.param
+    return request.param
+# ====================================== end of cpu_path fixture ======================================

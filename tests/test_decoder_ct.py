@@ -173,8 +173,25 @@ SCHEMES = {  # id: (weights, format, input activations, extra kw)
 }
 
 
+@pytest.fixture(params=["whole", "bands"])
+def row_bands(request, monkeypatch):
+    """Decode each module in one call ("whole"), or in bands of 8-16 rows spread over a 2-thread pool as a CPU
+    conversion does ("bands"; the values must not depend on it)."""
+    if request.param == "whole":
+        yield request.param
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from expq import parallel
+    from expq.decoders import compressed_tensors as ct
+
+    monkeypatch.setattr(ct, "BAND_ELEMS", 8 * H)
+    with ThreadPoolExecutor(2) as pool, parallel.using(pool):
+        yield request.param
+
+
 @pytest.mark.parametrize("sid", list(SCHEMES))
-def test_decodes_like_the_library(tmp_path, sid):
+def test_decodes_like_the_library(tmp_path, sid, row_bands):
     weights, fmt, acts = SCHEMES[sid]
     sch = scheme(weights, [EXPERTS], fmt, acts)
     extra = {}

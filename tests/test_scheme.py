@@ -43,23 +43,24 @@ def random_rows(dtype, rows=512, cols=384, seed=0, low=-3):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["random", "adversarial"])
-def test_golden_half_types(dtype, kind):
+def test_golden_half_types(dtype, kind, cpu_path):
     w = random_rows(dtype) if kind == "random" else adversarial_rows(dtype)
-    codes, scales = scheme.quantize_rows(w)
     ref_codes, ref_scales = seed_reference(w)
-    assert codes.dtype == torch.int8 and scales.dtype == dtype
-    assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum()} codes differ"
-    assert torch.equal(scales, ref_scales)
+    for codes, scales in (scheme.quantize_rows(w), scheme.quantize_matrix(w)[:2]):
+        assert codes.dtype == torch.int8 and scales.dtype == dtype
+        assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum()} codes differ"
+        assert torch.equal(scales, ref_scales)
+    assert torch.equal(scheme.matrix_scales(w), ref_scales)
 
 
 @pytest.mark.parametrize("kind", ["random", "adversarial"])
-def test_golden_float32_follows_cuda(kind):
+def test_golden_float32_follows_cuda(kind, cpu_path):
     """fp32: CUDA computes `x / 127` as `x * fp32(1/127)`; the CPU divides. expq follows CUDA on every device."""
     w = random_rows(torch.float32, rows=4096) if kind == "random" else adversarial_rows(torch.float32)
-    codes, scales = scheme.quantize_rows(w)
     ref_codes, ref_scales = seed_reference(w, cuda_scalar_rule=True)
-    assert torch.equal(codes, ref_codes)
-    assert torch.equal(scales, ref_scales)
+    for codes, scales in (scheme.quantize_rows(w), scheme.quantize_matrix(w)[:2]):
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(scales, ref_scales)
 
 
 def test_float32_cpu_division_differs():
@@ -82,7 +83,7 @@ def test_double_rounding_is_kept():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_rows(dtype):
+def test_zero_rows(dtype, cpu_path):
     w = random_rows(dtype, rows=8, cols=32, low=-1)
     w[3] = 0
     codes, scales, rep = scheme.quantize_matrix(w)
@@ -98,7 +99,7 @@ def test_zero_rows(dtype):
     assert torch.equal(codes[torch.arange(8) != 3], ref_codes[torch.arange(8) != 3])
 
 
-def test_fp16_underflow_reported_and_exact():
+def test_fp16_underflow_reported_and_exact(cpu_path):
     w = random_rows(torch.float16, rows=6, cols=64, low=-1)
     w[1] = (torch.randn(64) * 1e-6).to(torch.float16)  # amax ~ 3e-6: scale underflows to 0 / subnormal
     w[4, :] = 0
@@ -113,7 +114,7 @@ def test_fp16_underflow_reported_and_exact():
     assert torch.equal(codes[nan_free & keep.unsqueeze(1)], ref_codes[nan_free & keep.unsqueeze(1)])
 
 
-def test_nonfinite_rows_found():
+def test_nonfinite_rows_found(cpu_path):
     w = random_rows(torch.bfloat16, rows=5, cols=16)
     w[2, 3] = float("nan")
     w[4, 0] = float("inf")
@@ -195,7 +196,7 @@ def with_special_rows(w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 1, 7 * 96, 10**9])
-def test_quantize_matrix_in_row_blocks_is_bit_identical(dtype, block):
+def test_quantize_matrix_in_row_blocks_is_bit_identical(dtype, block, cpu_path):
     """``quantize_matrix`` (row blocks on a CPU) equals the reference on the whole matrix, bit for bit, whatever the
     block size, including zero, -0.0, NaN, +-inf and underflowing rows (NaN scales stored canonical)."""
     w = with_special_rows(torch.cat([adversarial_rows(dtype), random_rows(dtype, rows=300, cols=96, low=-8)]))

@@ -103,11 +103,16 @@ class Decoder(Protocol):
         """
         ...
 
-    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+    def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Decode one logical tensor (``tensor.decoded`` is True) from its parts.
 
+        Args:
+            device: where to compute (the parts are moved there): None or a CPU for the CPU path
+                (``cpu_kernels``, on the conversion's thread pool), a CUDA device for torch ops on it. The values do
+                not depend on it.
+
         Returns:
-            a CPU tensor of ``tensor.shape`` in the torch dtype of ``tensor.dtype``.
+            a tensor of ``tensor.shape`` in the torch dtype of ``tensor.dtype``, on ``device`` (a CPU if None).
 
         Raises:
             SourceError: the stored values cannot be decoded (names file and tensor).

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import parallel
 from ..errors import SourceError
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
@@ -251,8 +252,11 @@ class CompressedTensorsDecoder:
                 out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
         return out
 
-    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
-        """Decompress one module's weight with its compressor's ``decompress`` (see the module docstring).
+    def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
+        """Decompress one module's weight with its compressor's ``decompress`` (see the module docstring), by bands
+        of rows over the conversion's thread pool (``_row_bands``: every row decompresses on its own, so the bands
+        give the same values as one call). Always on the CPU (``device`` is not used: the library's ops are not
+        checked on a GPU); the pipeline moves the result.
 
         Raises:
             SourceError: ``weight_shape`` disagrees with the header, a permuted ``weight_g_idx``, or the library
@@ -284,6 +288,24 @@ class CompressedTensorsDecoder:
                 ti = parts["weight_g_idx"]
                 raise SourceError("activation-ordered groups (a permuted weight_g_idx) are not decoded: compressed-"
                                   "tensors >= 0.20 no longer supports them", file=ti.file, tensor=ti.name)
+        dtype = TORCH_DTYPES[tensor.dtype]
+        bands = _row_bands(state, tensor.shape)
+        if len(bands) == 1:
+            return self._decompress(compressor, state, g, tensor).to(dtype).contiguous()
+        out = torch.empty(tensor.shape, dtype=dtype)
+
+        def band(b: tuple[int, int, dict]) -> None:
+            r0, r1, cut = b
+            out[r0:r1] = self._decompress(compressor, cut, g, tensor, (r1 - r0, tensor.shape[1]))
+
+        parallel.each(band, [(r0, r1, _band_state(state, tensor.shape, r0, r1)) for r0, r1 in bands])
+        return out
+
+    @staticmethod
+    def _decompress(compressor: Any, state: dict, g: _Group, tensor: LogicalTensor,
+                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The library's ``decompress`` of ``state``: the weight of ``shape`` (default the whole tensor's)."""
+        shape = tensor.shape if shape is None else shape
         try:
             with torch.no_grad():
                 w = compressor.decompress(state, g.scheme)["weight"]
@@ -291,10 +313,55 @@ class CompressedTensorsDecoder:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise SourceError(f"compressed-tensors could not decompress it: {msg}", file=tensor.file,
                               tensor=tensor.stored.name) from None
-        if tuple(w.shape) != tensor.shape:
-            raise SourceError(f"decompressed to {list(w.shape)}, expected {list(tensor.shape)}", file=tensor.file,
+        if tuple(w.shape) != tuple(shape):
+            raise SourceError(f"decompressed to {list(w.shape)}, expected {list(shape)}", file=tensor.file,
                               tensor=tensor.stored.name)
-        return w.to(TORCH_DTYPES[tensor.dtype]).contiguous()
+        return w
+
+
+BAND_ELEMS = 1 << 20
+"""Weight elements per band of rows decompressed at a time (about a core's cache of work per pool item)."""
+
+
+def _row_bands(state: dict[str, torch.Tensor], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Bands ``(r0, r1)`` of about ``BAND_ELEMS`` elements that the state can be cut into: every state tensor is
+    per row (first dimension = rows), whole-tensor (one row, or none), or per ``k`` rows (first dimension
+    ``ceil(rows / k)``: packed zero points, block scales), and bands start at multiples of every such ``k``. One band
+    (the whole tensor) when a tensor fits none of these."""
+    rows, cols = shape
+    unit = 1
+    for k, t in state.items():
+        if k == "weight_shape" or t.dim() == 0 or t.shape[0] in (rows, 1):
+            continue
+        per = math.ceil(rows / t.shape[0])
+        if math.ceil(rows / per) != t.shape[0]:
+            return [(0, rows)]
+        unit = math.lcm(unit, per)
+    # at least two rows of every per-k tensor in a band: the library's unpacking cannot view a one-row slice of
+    # packed zero points (a transposed [1, n] tensor keeps a stride of n)
+    band = max(2 * unit if unit > 1 else 1, BAND_ELEMS // max(1, cols) // unit * unit)
+    bands = [(r0, min(rows, r0 + band)) for r0 in range(0, rows, band)]
+    if len(bands) > 1 and unit > 1 and bands[-1][1] - bands[-1][0] <= unit:
+        bands[-2:] = [(bands[-2][0], rows)]
+    return bands
+
+
+def _band_state(state: dict[str, torch.Tensor], shape: tuple[int, ...], r0: int, r1: int) -> dict[str, torch.Tensor]:
+    """The state of rows ``r0:r1`` (see ``_row_bands``): per-row tensors sliced, per-``k``-rows tensors sliced by
+    ``k``, whole-tensor ones kept, ``weight_shape`` rewritten."""
+    rows, cols = shape
+    cut = {}
+    for k, t in state.items():
+        if k == "weight_shape":
+            cut[k] = torch.tensor([r1 - r0, cols], dtype=t.dtype).reshape(t.shape)
+        elif t.dim() == 0 or t.shape[0] == 1 and rows != 1:
+            cut[k] = t
+        elif t.shape[0] == rows:
+            cut[k] = t[r0:r1]
+        else:
+            per = math.ceil(rows / t.shape[0])
+            cut[k] = t[r0 // per: math.ceil(r1 / per)]
+    return cut
 
 
 # --- config -----------------------------------------------------------------------------------------------------------

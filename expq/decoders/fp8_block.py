@@ -11,8 +11,8 @@ element by element,
     out[r, c] = bf16( float32(w[r, c]) * float32(scale[r // br, c // bc]) )
 
 the fp32 product rounded once to bf16 (round to nearest even); the partial blocks at the right and bottom edges use
-their block's scale as the full ones do. ``decode`` does exactly this with plain torch on the CPU, one band of block
-rows at a time.
+their block's scale as the full ones do. ``decode`` does exactly this: on a CPU with a fused kernel or torch ops, one
+band of block rows at a time over the conversion's pool; on a GPU with torch ops.
 
 Without ``weight_block_size`` (per-tensor FP8) the scale is one value (shape ``[]`` or ``[1]``, named
 ``weight_scale_inv`` or ``weight_scale``) applied the same way to the whole tensor.
@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .. import parallel
+from .. import cpu_kernels, parallel
 from ..errors import SourceError
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
+from ..scheme import canonical_nan_
 from .base import LogicalTensor, ReadFn, source_quantization_config
 
 if TYPE_CHECKING:
@@ -188,19 +189,23 @@ class Fp8BlockDecoder:
         return f"fp8 {fmt} x {self.block[0]}x{self.block[1]} block scale_inv -> bf16"
 
     # --- decoding -----------------------------------------------------------------------------------------------
-    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+    def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Dequantize one FP8 weight as DeepSeek-V3's ``fp8_cast_bf16.py`` / ``weight_dequant`` do.
 
         ``out[..., r, c] = bf16(float32(w[..., r, c]) * float32(scale[..., r // br, c // bc]))``: one fp32 multiply,
-        one rounding to bf16 (nearest even). Plain torch on the CPU; peak memory is the stored weight, the bf16
-        result and one fp32 band of block rows (about 64 MiB).
+        one rounding to bf16 (nearest even); a NaN product is stored as the canonical quiet NaN (0x7FC0). On a CPU
+        the fused kernel (``cpu_kernels.fp8_block_decode_into``: a 256-entry table per block, one look-up per
+        element) or torch ops, one band of block rows at a time over the conversion's pool; on a GPU torch ops over
+        the whole tensor. Peak host memory is the stored weight, the bf16 result and (torch on a CPU) one fp32 band
+        of block rows (about 64 MiB).
 
         Args:
             tensor: a LogicalTensor from ``logical_tensors`` with ``decoded`` True (parts: weight, scale).
             read: reads one stored tensor in its raw dtype on the CPU.
+            device: where to compute (None: the CPU).
 
         Returns:
-            a CPU ``torch.bfloat16`` tensor of ``tensor.shape``.
+            a ``torch.bfloat16`` tensor of ``tensor.shape`` on ``device``.
 
         Raises:
             SourceError: the tensor is not one of this decoder's (names file and tensor).
@@ -211,35 +216,58 @@ class Fp8BlockDecoder:
         w = read(wi)
         if w.dtype != TORCH_DTYPES[wi.dtype]:
             raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
-        s = read(si).to(torch.float32)
-        out = torch.empty(w.shape, dtype=torch.bfloat16)
+        s = read(si)
+        if device is not None and device.type != "cpu":
+            w, s = w.to(device, non_blocking=True), s.to(device, non_blocking=True)
+        s = s.to(torch.float32)
         if w.numel() == 0:
-            return out
-        if self.block is None:  # one scale for the whole tensor, in bands of rows to bound the fp32 working set
-            flat_w, flat_o, scale = w.reshape(-1), out.view(-1), s.reshape(())
-            step = BAND_BYTES // 4
-            for i in range(0, flat_w.numel(), step):
-                flat_o[i:i + step] = flat_w[i:i + step].to(torch.float32) * scale
-            return out
-        br, bc = self.block
+            return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+        w3, s3, block = self._as_blocks(w, s)
+        if w.device.type != "cpu":
+            out = _decode_whole(w3, s3, block)
+        elif cpu_kernels.active() == "numba":
+            out = _decode_cpu(w3, s3, block, fused=True)
+        else:
+            out = _decode_cpu(w3, s3, block, fused=False)
+        return out.view(w.shape)
+
+    def _as_blocks(self, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """``w`` as [E, rows, cols], ``s`` as [E, ceil(rows/br), ceil(cols/bc)] fp32, and (br, bc); a per-tensor
+        scale is one block covering the whole tensor."""
+        if self.block is None:
+            w3 = w.reshape(1, -1, w.shape[-1]) if w.dim() >= 2 else w.reshape(1, 1, -1)
+            return w3, s.reshape(1, 1, 1), (w3.shape[1], w3.shape[2])
         rows, cols = w.shape[-2:]
-        w3, o3 = w.reshape(-1, rows, cols), out.view(-1, rows, cols)
-        # each block row's scales spread over its columns: block column j covers columns j*bc .. j*bc+bc-1, the
-        # last one cut at the matrix edge; [E, ceil(rows/br), cols], 1/br of the weight's elements
-        srow = s.reshape(-1, *s.shape[-2:]).repeat_interleave(bc, dim=-1)[..., :cols]
-        band = max(1, BAND_BYTES // max(1, 4 * br * cols)) * br  # rows per band, a multiple of br
-        full = rows // br * br  # rows in whole block rows; the rest form the last, partial block row
-        if parallel.pool() is not None:  # bands spread over the conversion's pool: one block row each (in cache)
-            band = br
+        return w.reshape(-1, rows, cols), s.reshape(-1, *s.shape[-2:]), self.block
 
-        def one(er: tuple[int, int]) -> None:
-            e, r0 = er
-            r1 = min(full, r0 + band)
-            x = w3[e, r0:r1].to(torch.float32).view(-1, br, cols)  # [block rows, br, cols]
-            o3[e, r0:r1].view(-1, br, cols).copy_(x * srow[e, r0 // br: r1 // br, None, :])
 
-        parallel.each(one, [(e, r0) for e in range(w3.shape[0]) for r0 in range(0, full, band)])
-        if full < rows:
-            for e in range(w3.shape[0]):
-                o3[e, full:] = w3[e, full:].to(torch.float32) * srow[e, -1]
-        return out
+def _decode_cpu(w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int], fused: bool) -> torch.Tensor:
+    """The CPU decode, band by band over the conversion's pool: a band is rows of one block row (at most about
+    ``BAND_BYTES`` of fp32), fused kernel or torch ops."""
+    E, rows, cols = w3.shape
+    br, bc = block
+    out = torch.empty(w3.shape, dtype=torch.bfloat16)
+    band = max(1, min(br, BAND_BYTES // max(1, 4 * cols)))
+    if parallel.pool() is None and not fused:
+        band = br  # in turn in this thread: whole block rows
+    srow = None if fused else s3.repeat_interleave(bc, dim=-1)[..., :cols]  # [E, ceil(rows/br), cols]
+
+    def one(er: tuple[int, int]) -> None:
+        e, r0 = er
+        r1 = min(rows, r0 + band, (r0 // br + 1) * br)
+        if fused:
+            cpu_kernels.fp8_block_decode_into(w3, s3, out, block, e, r0, r1)
+        else:
+            out[e, r0:r1] = w3[e, r0:r1].to(torch.float32) * srow[e, r0 // br]
+
+    items = [(e, r0) for e in range(E) for b0 in range(0, rows, br) for r0 in range(b0, min(rows, b0 + br), band)]
+    parallel.each(one, items)
+    return out if fused else canonical_nan_(out)
+
+
+def _decode_whole(w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The decode in torch ops over the whole tensor at once (a GPU): the scales spread to every element."""
+    E, rows, cols = w3.shape
+    br, bc = block
+    sfull = s3.repeat_interleave(br, dim=-2)[:, :rows].repeat_interleave(bc, dim=-1)[..., :cols]
+    return canonical_nan_((w3.to(torch.float32) * sfull).to(torch.bfloat16))

@@ -34,7 +34,8 @@ the CPU (torch 2.13, tested for every byte and every scale). Its edge cases, as 
 - Its ``rows_per_chunk`` (32768*1024 block rows) only bounds memory; chunking does not change any value.
 
 This decoder builds the bf16 bit patterns with integer arithmetic (no float multiply, no ldexp), so its result does not
-depend on the torch version's ldexp; it runs on the CPU, one bounded chunk of rows at a time.
+depend on the torch version's ldexp; it runs on a CPU (a fused kernel or torch ops, bounded tiles of rows over the
+conversion's pool) or on a GPU (torch ops).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .. import parallel
+from .. import cpu_kernels, parallel
 from ..errors import SourceError
 from ..io.safetensors import TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
@@ -58,7 +59,9 @@ BLOCK_BYTES = BLOCK // 2
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 HOW = "mxfp4 e2m1 x e8m0 (32-element blocks) -> bf16"
 CHUNK_BYTES = 16 << 20
-"""Stored block bytes decoded at a time (the temporaries are about 8x this)."""
+"""Stored block bytes decoded at a time by the torch path on a CPU (the temporaries are about 8x this)."""
+TILE_ROWS = 256
+"""Rows of one expert per call of the fused CPU kernel: their 32 output rows per block stay in cache."""
 
 
 class Mxfp4Decoder:
@@ -135,7 +138,7 @@ class Mxfp4Decoder:
             out[base] = LogicalTensor(base, "BF16", _logical_shape(ti, scales), (ti, scales), decoded=True, how=HOW)
         return out
 
-    def decode(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor:
+    def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Dequantize one MXFP4 tensor.
 
         Formula (OCP MX v1.0; bit-identical to transformers 5.24 ``convert_moe_packed_tensors`` on the CPU): for
@@ -147,9 +150,10 @@ class Mxfp4Decoder:
         Args:
             tensor: a logical tensor from ``logical_tensors`` (parts: blocks U8 [E, R, G, 16], scales U8 [E, R, G]).
             read: reads one stored tensor.
+            device: where to compute (None: the CPU).
 
         Returns:
-            a CPU bfloat16 tensor ``[E, G*32, R]`` (contiguous).
+            a bfloat16 tensor ``[E, G*32, R]`` (contiguous) on ``device``.
 
         Raises:
             SourceError: the tensor is not an MXFP4 one, or what was read does not have the header's shape and dtype.
@@ -163,15 +167,19 @@ class Mxfp4Decoder:
             if t.dtype != torch.uint8 or tuple(t.shape) != info.shape:
                 raise SourceError(f"read {t.dtype} {list(t.shape)}, expected uint8 {list(info.shape)}",
                                   file=info.file, tensor=info.name)
+        if device is not None and device.type != "cpu":
+            blocks, scales = blocks.to(device, non_blocking=True), scales.to(device, non_blocking=True)
         return dequantize(blocks, scales)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``blocks`` uint8 ``[E, R, G, 16]`` and ``scales`` uint8 ``[E, R, G]`` -> bfloat16 ``[E, G*32, R]``.
+    """MXFP4 ``blocks`` uint8 ``[E, R, G, 16]`` and ``scales`` uint8 ``[E, R, G]`` -> bfloat16 ``[E, G*32, R]``, on
+    the inputs' device.
 
-    The formula is in ``Mxfp4Decoder.decode``. Works through one expert and at most ``CHUNK_BYTES`` of blocks at a
-    time, on the CPU (chunks spread over the conversion's thread pool during a CPU conversion, ``parallel``); the
-    inputs are not modified.
+    The formula is in ``Mxfp4Decoder.decode``. On a CPU: tiles of rows of one expert spread over the conversion's
+    thread pool (``parallel``), through the fused kernel (``cpu_kernels.mxfp4_decode_into``) or torch ops (one
+    gather of both values of a byte from ``_pair_table``, at most ``CHUNK_BYTES`` of blocks at a time); on a GPU the
+    torch ops, an expert at a time. The inputs are not modified.
 
     Raises:
         ValueError: wrong dtypes or shapes (``Mxfp4Decoder`` checks them before, naming the tensor).
@@ -182,9 +190,17 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)}: expected [E, R, G, 16] / "
                          "[E, R, G]")
     E, R, G, _ = blocks.shape
-    out = torch.empty(E, G * BLOCK, R, dtype=torch.bfloat16)
-    pairs = _pair_table().view(torch.int32).view(-1)  # one gather a byte: both bf16 values as one 32-bit word
-    rows = max(1, CHUNK_BYTES // max(1, G * BLOCK_BYTES))
+    out = torch.empty(E, G * BLOCK, R, dtype=torch.bfloat16, device=blocks.device)
+    if blocks.device.type == "cpu" and cpu_kernels.active() == "numba":
+        blocks, scales, values = blocks.contiguous(), scales.contiguous(), _value_bits()
+
+        def tile(er: tuple[int, int]) -> None:
+            cpu_kernels.mxfp4_decode_into(blocks, scales, values, out, er[0], er[1], min(R, er[1] + TILE_ROWS))
+
+        parallel.each(tile, [(e, r0) for e in range(E) for r0 in range(0, R, TILE_ROWS)])
+        return out
+    pairs = _pair_table().to(blocks.device).view(torch.int32).view(-1)  # both bf16 values of a byte as one word
+    rows = R if blocks.device.type != "cpu" else max(1, CHUNK_BYTES // max(1, G * BLOCK_BYTES))
 
     def chunk(er: tuple[int, int]) -> None:
         e, r0 = er
@@ -206,6 +222,7 @@ def _pair_table() -> torch.Tensor:
     return torch.stack([vals[:, b & 0xF], vals[:, b >> 4]], dim=-1).reshape(256 * 256, 2).contiguous()
 
 
+@cache
 def _value_bits() -> torch.Tensor:
     """int16 ``[256, 16]``: bf16 bits of ``E2M1[n] * 2**(s - 127)`` for scale byte ``s`` and nibble ``n``.
 

@@ -365,6 +365,38 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
     return buf.view(dt).view(info.shape)
 
 
+def map_tensor(src_root: Path, info: TensorInfo) -> torch.Tensor:
+    """One tensor of a file as a view of the file's pages (``mmap``, private: nothing is copied, and writing to
+    the view would never reach the file). For a pass that only reads the values once (the scale pass of
+    ``pipeline``): no read buffer, no copy out of the page cache.
+
+    Returns:
+        a CPU tensor of ``info.shape`` in the matching torch dtype; the mapping lives as long as the tensor.
+
+    Raises:
+        SourceError: the dtype has no torch equivalent here, or the file is shorter than the header says.
+    """
+    import mmap
+
+    dt = TORCH_DTYPES.get(info.dtype)
+    path = src_root / info.file
+    if dt is None:
+        raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(path), tensor=info.name)
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dt)
+    start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size < info.start + info.nbytes:
+            raise SourceError("file is shorter than its header says: changed or truncated", file=str(path),
+                              tensor=info.name)
+        m = mmap.mmap(f.fileno(), info.start + info.nbytes - start, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    if hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_SEQUENTIAL)
+    return torch.frombuffer(m, dtype=torch.uint8, offset=info.start - start, count=info.nbytes).view(dt).view(
+        info.shape)
+
+
 def copy_bytes(src_root: Path, info: TensorInfo, dst_fd: int, dst_offset: int, chunk: int = 64 << 20) -> None:
     """Copy a tensor's raw bytes into an open output file at ``dst_offset`` (byte-identical, bounded memory): in the
     kernel with ``copy_file_range`` where the OS allows it, else by ``pread``/``pwrite`` in 64 MiB chunks (also

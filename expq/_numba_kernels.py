@@ -1,0 +1,180 @@
+"""The numba kernels behind ``cpu_kernels`` (imported only when numba is available; see that module for what each
+computes and why it is exact). Bit patterns travel as unsigned integers (bf16/fp16 as uint16, fp32 as uint32);
+float <-> bits and half <-> float conversions are LLVM instructions (``bitcast``, ``fpext``, ``fptrunc``), which
+are exact IEEE operations (no rounding mode other than nearest even is ever set)."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_RECIP_127 = np.float32(np.float32(1.0) / np.float32(127.0))  # fp32(1/127), as CUDA computes the reciprocal
+_LO, _HI = np.float32(-127.0), np.float32(127.0)
+_BF16_NAN = np.uint16(0x7FC0)  # the canonical quiet NaN (scheme.canonical_nan_)
+
+
+@intrinsic
+def _f32(typingctx, u):
+    """uint32 bits -> float32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _u32(typingctx, f):
+    """float32 -> its uint32 bits."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _half_to_f32(typingctx, u):
+    """fp16 bits (uint16) -> float32 (exact)."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_half(typingctx, f):
+    """float32 -> fp16 bits (uint16), rounded to nearest even (overflow to inf, subnormals kept)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@njit(inline="always")
+def _bf16_round(f):
+    """float32 -> the float32 value of its bf16 rounding (nearest even; finite or inf input, not NaN)."""
+    b = _u32(f)
+    b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return _f32(b)
+
+
+@njit(inline="always")
+def _bf16_bits(f):
+    """float32 -> bf16 bits, nearest even; NaN -> the canonical quiet NaN."""
+    if f != f:
+        return _BF16_NAN
+    b = _u32(f)
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(inline="always")
+def _code(q):
+    return np.int8(min(max(np.rint(q), _LO), _HI))
+
+
+# --- the scheme: one kernel per compute dtype ------------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def quantize_bf16(x, codes, amax, scales, r0, r1, with_codes):
+    cols = x.shape[1]
+    for r in range(r0, r1):
+        row = x[r]
+        m = np.uint16(0)
+        for c in range(cols):  # (ufunc and compare: both stay 16-bit, so LLVM vectorizes the loop)
+            v = np.bitwise_and(row[c], np.uint16(0x7FFF))
+            if v > m:
+                m = v
+        amax[r] = m
+        if m > np.uint16(0x7F80):  # NaN
+            scales[r] = _BF16_NAN
+            s = np.float32(np.nan)
+        else:
+            sb = _bf16_bits(_f32(np.uint32(m) << np.uint32(16)) * _RECIP_127)
+            scales[r] = sb
+            s = _f32(np.uint32(sb) << np.uint32(16))
+        if not with_codes:
+            continue
+        out = codes[r]
+        if not (s > np.float32(0.0) and s < np.float32(np.inf)):
+            out[:] = 0
+            continue
+        for c in range(cols):
+            out[c] = _code(_bf16_round(_f32(np.uint32(row[c]) << np.uint32(16)) / s))
+
+
+@njit(nogil=True, cache=True)
+def quantize_f16(x, codes, amax, scales, r0, r1, with_codes):
+    cols = x.shape[1]
+    for r in range(r0, r1):
+        row = x[r]
+        m = np.uint16(0)
+        for c in range(cols):  # (ufunc and compare: both stay 16-bit, so LLVM vectorizes the loop)
+            v = np.bitwise_and(row[c], np.uint16(0x7FFF))
+            if v > m:
+                m = v
+        amax[r] = m
+        sb = _f32_to_half(_half_to_f32(m) * _RECIP_127)  # NaN stays NaN (the caller stores it canonical)
+        scales[r] = sb
+        s = _half_to_f32(sb)
+        if not with_codes:
+            continue
+        out = codes[r]
+        if not (s > np.float32(0.0) and s < np.float32(np.inf)):
+            out[:] = 0
+            continue
+        for c in range(cols):
+            out[c] = _code(_half_to_f32(_f32_to_half(_half_to_f32(row[c]) / s)))
+
+
+@njit(nogil=True, cache=True)
+def quantize_f32(x, codes, amax, scales, r0, r1, with_codes):
+    cols = x.shape[1]
+    for r in range(r0, r1):
+        row = x[r]
+        m = np.uint32(0)
+        for c in range(cols):
+            v = np.bitwise_and(row[c], np.uint32(0x7FFFFFFF))
+            if v > m:
+                m = v
+        amax[r] = m
+        s = _f32(m) * _RECIP_127
+        scales[r] = _u32(s)
+        if not with_codes:
+            continue
+        out = codes[r]
+        if not (s > np.float32(0.0) and s < np.float32(np.inf)):
+            out[:] = 0
+            continue
+        for c in range(cols):
+            out[c] = _code(_f32(row[c]) / s)
+
+
+# --- FP8 block decode ------------------------------------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def fp8_block_decode(w, s, out, values, br, bc, e, r0, r1):
+    cols = w.shape[2]
+    nbc = s.shape[2]
+    bi = r0 // br
+    lut = np.empty((nbc, 256), np.uint16)
+    for j in range(nbc):
+        sc = s[e, bi, j]
+        for b in range(256):
+            lut[j, b] = _bf16_bits(values[b] * sc)
+    for r in range(r0, r1):
+        src = w[e, r]
+        dst = out[e, r]
+        for j in range(nbc):
+            t = lut[j]
+            for c in range(j * bc, min(cols, (j + 1) * bc)):
+                dst[c] = t[src[c]]
+
+
+# --- MXFP4 decode ----------------------------------------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def mxfp4_decode(blocks, scales, values, out, e, r0, r1):
+    groups = blocks.shape[2]
+    for g in range(groups):
+        k0 = g * 32
+        for r in range(r0, r1):
+            t = values[scales[e, r, g]]
+            src = blocks[e, r, g]
+            for j in range(16):
+                b = src[j]
+                out[e, k0 + 2 * j, r] = t[b & np.uint8(15)]
+                out[e, k0 + 2 * j + 1, r] = t[b >> np.uint8(4)]

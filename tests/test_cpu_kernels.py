@@ -1,0 +1,164 @@
+"""The CPU paths (``EXPQ_CPU_KERNEL``: the fused numba kernels and the torch reference) give the same bits: the scheme
+on every bf16 and fp16 value, the FP8 block decode on every byte with scales that reach every rounding case, the
+MXFP4 decode on every (scale, byte) pair, and the choice of path itself. The scheme's own exactness tests against
+the seed (tests/test_scheme.py) run on each path too (the ``cpu_path`` fixture)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import seed_reference
+
+from expq import cpu_kernels, parallel, scheme
+from expq.decoders import LogicalTensor
+from expq.decoders.fp8_block import Fp8BlockDecoder
+from expq.decoders.mxfp4 import dequantize
+from expq.io.safetensors import TensorInfo
+
+
+def every_value_rows(dtype: torch.dtype, amax: float) -> torch.Tensor:
+    """Every finite value of a 16-bit dtype with magnitude <= ``amax`` as the elements of rows whose first element
+    is ``amax`` (so the row's scale is ``amax``'s and every quotient up to 127 is taken), 255 values a row."""
+    vals = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    vals = vals[torch.isfinite(vals) & (vals.abs() <= amax)]
+    pad = -len(vals) % 255
+    vals = torch.cat([vals, torch.zeros(pad, dtype=dtype)]).view(-1, 255)
+    return torch.cat([torch.full((vals.shape[0], 1), amax, dtype=dtype), vals], dim=1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amax", [1.0, 3.0e-3, 6.0e-5, 7.0e-6, 6.0e4])
+def test_scheme_on_every_half_value(dtype, amax, cpu_path):
+    """Each path on every value of the dtype (normal, subnormal, signed zeros) against the seed, bit for bit; fp16
+    rows with amax 6e-5 and 7e-6 get subnormal scales, 6e4 quotients near fp16's top."""
+    if dtype == torch.bfloat16 and amax == 6.0e4:
+        amax = 3.0e38
+    w = every_value_rows(dtype, amax)
+    codes, scales, rep = scheme.quantize_matrix(w)
+    ref_codes, ref_scales = seed_reference(w)
+    assert torch.equal(scales, ref_scales)
+    ok = ref_scales != 0
+    assert torch.equal(codes[ok], ref_codes[ok])
+    assert not ok.any() or rep.zero_rows == []
+
+
+def test_paths_agree_on_special_rows_bit_for_bit():
+    """The two paths give identical codes, scales (canonical NaN included) and reports on zero, -0.0, NaN, -NaN,
+    +-inf and subnormal-scale rows, in every compute dtype (a negative control for the fixture: the paths differ
+    in how they compute, not in what)."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = (torch.randn(40, 300, generator=g) * torch.logspace(-9, 2, 40).unsqueeze(1)).to(dtype)
+        w[3], w[5] = 0, -0.0
+        w[7, 3], w[9, 1], w[11], w[13, 2] = float("nan"), float("inf"), float("-inf"), -float("nan")
+        got = {}
+        for path in ("torch", "numba"):
+            with pytest.MonkeyPatch.context() as m:
+                m.setenv(cpu_kernels.ENV, path)
+                if path == "numba":
+                    pytest.importorskip("numba")
+                got[path] = scheme.quantize_matrix(w)
+        (c0, s0, r0), (c1, s1, r1) = got["torch"], got["numba"]
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(c0, c1) and torch.equal(s0.view(bits), s1.view(bits)), dtype
+        assert (r0.zero_rows, r0.underflow_rows, r0.nonfinite_rows) == (r1.zero_rows, r1.underflow_rows,
+                                                                           r1.nonfinite_rows)
+
+
+def _info(name: str, dtype: str, shape: tuple[int, ...]) -> TensorInfo:
+    n = 1
+    for d in shape:
+        n *= d
+    size = {"F8_E4M3": 1, "F8_E5M2": 1, "F32": 4, "U8": 1}[dtype] * n
+    return TensorInfo(name=name, file="f.safetensors", dtype=dtype, shape=shape, start=0, end=size)
+
+
+def fp8_case(fp8: torch.dtype, block: tuple[int, int] | None, shape: tuple[int, ...], seed: int = 0):
+    """Every FP8 byte (NaN codes included) spread over a weight of ``shape``, with block scales from 1e-40
+    (products underflow to bf16 subnormals) to 1e38 (they overflow), negative, zero, NaN and inf."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    codes = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
+    codes = codes[torch.randperm(n, generator=g)].view(fp8).view(shape)
+    if block is None:
+        s = torch.tensor([0.37], dtype=torch.float32)
+    else:
+        *lead, rows, cols = shape
+        sshape = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+        m = 1
+        for d in sshape:
+            m *= d
+        s = torch.logspace(-40, 38, m, dtype=torch.float64).to(torch.float32)[torch.randperm(m, generator=g)]
+        s[:4] = torch.tensor([-0.5, 0.0, float("nan"), float("inf")])
+        s = s.view(sshape)
+    return codes, s
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("block,shape", [((128, 128), (300, 520)), ((16, 8), (3, 70, 50)), (None, (33, 65)),
+                                         ((4, 4), (64, 64))])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_fp8_decode_paths_agree_bit_for_bit(fp8, block, shape, pooled, monkeypatch):
+    """The fused FP8 decode equals the torch reference (``float32(code) * scale`` rounded once to bf16) on every byte
+    and every kind of scale, with partial edge blocks, stacked experts and per-tensor scales; NaN products are the
+    canonical quiet NaN on both paths. Bands over a thread pool give the same bits."""
+    pytest.importorskip("numba")
+    codes, s = fp8_case(fp8, block, shape)
+    dec = Fp8BlockDecoder(block)
+    wi = _info("m.weight", {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}[fp8], tuple(codes.shape))
+    si = _info("m.weight_scale_inv", "F32", tuple(s.shape))
+    lt = LogicalTensor("m.weight", "BF16", tuple(codes.shape), (wi, si), decoded=True)
+    parts = {wi: codes, si: s}
+    out = {}
+    with ThreadPoolExecutor(2) as pool, parallel.using(pool if pooled else None):
+        for path in ("torch", "numba"):
+            monkeypatch.setenv(cpu_kernels.ENV, path)
+            out[path] = dec.decode(lt, parts.__getitem__)
+    ref = codes.to(torch.float32) * (s.view(1, 1).expand(codes.shape) if block is None else
+                                     s.repeat_interleave(block[0], -2)[..., : shape[-2], :]
+                                     .repeat_interleave(block[1], -1)[..., : shape[-1]])
+    ref = ref.to(torch.bfloat16)
+    for path, got in out.items():
+        assert got.dtype == torch.bfloat16 and got.shape == codes.shape
+        nan = torch.isnan(got)
+        assert torch.equal(nan, torch.isnan(ref)), path
+        assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16)), path
+        assert (got[nan].view(torch.int16) == 0x7FC0).all(), path
+    assert torch.equal(out["torch"].view(torch.int16), out["numba"].view(torch.int16))
+
+
+def test_mxfp4_decode_paths_agree_on_every_scale_and_byte(monkeypatch):
+    """Every (scale byte, block byte) pair through both MXFP4 paths, in a shape with several experts and a row count
+    that is not a multiple of the kernel's tile: the same bits (zeros, subnormals, infinities from scales >= 252)."""
+    pytest.importorskip("numba")
+    E, R, G = 2, 300, 4
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.arange(E * R * G * 16, dtype=torch.int64)
+    blocks = pairs.remainder(256).to(torch.uint8)[torch.randperm(pairs.numel(), generator=g)].view(E, R, G, 16)
+    scales = torch.arange(E * R * G, dtype=torch.int64).remainder(256).to(torch.uint8).view(E, R, G)
+    out = {}
+    for path in ("torch", "numba"):
+        monkeypatch.setenv(cpu_kernels.ENV, path)
+        out[path] = dequantize(blocks, scales)
+    assert torch.equal(out["torch"].view(torch.int16), out["numba"].view(torch.int16))
+    assert out["numba"].shape == (E, G * 32, R)
+
+
+def test_kernel_choice(monkeypatch):
+    """``EXPQ_CPU_KERNEL``: auto picks numba where it imports; torch forces the reference; anything else is refused
+    with the allowed values."""
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    assert cpu_kernels.active() == "torch"
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    try:
+        import numba  # noqa: F401
+        assert cpu_kernels.active() == "numba"
+    except ImportError:
+        assert cpu_kernels.active() == "torch"
+    monkeypatch.setenv(cpu_kernels.ENV, "fast")
+    with pytest.raises(ValueError, match="auto, numba, torch"):
+        cpu_kernels.active()
