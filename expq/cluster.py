@@ -10,14 +10,14 @@ last MiB of each local shard) is read by a task. Then:
 2. **Run** (``write_shards``, in each task): the normal pipeline (``run_plan``, ``ShardSet``) restricted to the
    task's shards: the other shards count as finished elsewhere. A directory SRC is read in place (a shared
    filesystem); a Hub SRC's files are downloaded by the task alone into a temporary folder on its node, a few at a
-   time (``streaming.StreamFeeder``), and deleted once converted. The shards go into OUT's staging folder (shared
+   time (``hub.stream.StreamFeeder``), and deleted once converted. The shards go into OUT's staging folder (shared
    filesystem), or, with ``--to-hub``, into a temporary folder from which the task uploads them itself
    (``preupload_lfs_files``) and deletes them. A task returns only names, sizes, sha256 and row findings (and the
    upload's ``CommitOperationAdd``, its content freed).
 3. **Record and commit** (the driver): each result goes into OUT's journal as it arrives (a re-run keeps those
    shards and runs only the tasks of the missing ones); then config, index, side files and ``expq.json``, and the one
    commit point of ``writer.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
-   shards, for the model card), the repo's README (``hub.model_card``), one commit with every file, then a check of
+   shards, for the model card), the repo's README (``hub.push.model_card``), one commit with every file, then a check of
    every remote size and hash.
 
 Tasks ask for ``num_cpus=1`` (and ``num_gpus=1`` per device with ``--device cuda...``) and ``memory`` from the
@@ -48,7 +48,7 @@ from .pipeline import RunStats
 from .plan import JobKind, Plan
 from .options import is_repo_id
 from .source import local_identity, resolve_source
-from .streaming import StreamFeeder, streamed
+from .hub.stream import StreamFeeder, streamed
 from .version import __version__
 from .writer import OutputDir, placeholder_shard
 
@@ -216,7 +216,7 @@ def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, 
     from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.utils import disable_progress_bars
 
-    from .hub import translate_hub_error
+    from .hub.push import translate_hub_error
 
     disable_progress_bars()
     ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
@@ -427,7 +427,7 @@ def convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool,
     Raises:
         as ``api.convert``; ClusterError: the cluster cannot be reached, or a task failed after its retries.
     """
-    from .hub import hub_token as login_token
+    from .hub.push import hub_token as login_token
 
     hub_token = login_token(token) if to_hub is not None else None
     with contextlib.ExitStack() as stack:
@@ -452,7 +452,7 @@ def convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool,
 @contextlib.contextmanager
 def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
     """(the Source, the Hub listing the tasks download from, or None for a directory), reading no weight byte: a
-    directory's headers, or a Hub repo's by ranged reads (``streaming.streamed``; its folder holds the side files
+    directory's headers, or a Hub repo's by ranged reads (``hub.stream.streamed``; its folder holds the side files
     only)."""
     p = Path(src).expanduser()
     if p.exists() or not is_repo_id(str(src)):  # a directory, or the same error a plain convert gives
@@ -532,7 +532,7 @@ class _RayRun:
         """Tasks upload their shards; the driver lays down the small files beside sparse stand-ins of the shards
         (real headers and sizes, for the card), commits them locally, writes the card, and publishes it all in one
         commit."""
-        from .hub import model_card
+        from .hub.push import model_card
 
         plan = self.plan
         prepare_repo(repo_id, token, private=private)
@@ -558,7 +558,7 @@ def prepare_repo(repo_id: str, token: str, *, private: bool) -> None:
     """Create the target model repo if needed (before the tasks upload into it), as ``expq push`` does."""
     from huggingface_hub import HfApi
 
-    from .hub import ensure_model_repo, translate_hub_error
+    from .hub.push import ensure_model_repo, translate_hub_error
 
     api = HfApi(token=token)
     try:
@@ -575,7 +575,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
     stand-ins; its README.md is the model card) to ``repo_id``: one commit, or for more than
     ``MAX_FILES_PER_COMMIT`` files, the shards in batches first and the small files (index, config, expq.json,
     card) last, so that the repo is a loadable checkpoint only once all of it is there. Then every remote file's
-    size and hash is checked against what was made (``hub.compare_remote``).
+    size and hash is checked against what was made (``hub.push.compare_remote``).
 
     Returns:
         (the commit URLs, the files checked).
@@ -585,7 +585,7 @@ def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: s
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .hub import PushReport, compare_remote, translate_hub_error
+    from .hub.push import PushReport, compare_remote, translate_hub_error
     from .io.hashing import sha256_file
 
     api = HfApi(token=token)

@@ -86,7 +86,7 @@ try:
     print(HfApi().model_info(repo, revision=rev).sha)
 except Exception as e:  # the same classification, message and exit status as expq convert
     from expq.errors import ExpqError
-    from expq.hubsource import hub_failure
+    from expq.hub.download import hub_failure
     err = e if isinstance(e, ExpqError) else hub_failure(e, repo, rev, None)
     print(f"error: {err}", file=sys.stderr)
     sys.exit(err.exit_code)
@@ -108,7 +108,7 @@ try:
 except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
     print("no"); sys.exit(0)
 except Exception as e:
-    from expq.hubsource import hub_failure
+    from expq.hub.download import hub_failure
     err = hub_failure(e, repo, rev or "main", None)
     print(f"error: {err}", file=sys.stderr)
     sys.exit(err.exit_code)

@@ -17,16 +17,16 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .version import __version__
-from .checkpoint import ConvertedCheckpoint, open_checkpoint
-from .engines.clients import stock_transformers_misloads
-from .errors import ExpqError, UsageError, option, scrub_tokens
-from .io import files
-from .io.hashing import git_blob_id, sha256_file
-from .layouts import shared_facts
-from .manifest import DECODED_OTHERS, MANIFEST, Manifest
-from .options import check_repo_id, format_size
-from .writer import reading
+from ..version import __version__
+from ..checkpoint import ConvertedCheckpoint, open_checkpoint
+from ..engines.clients import stock_transformers_misloads
+from ..errors import ExpqError, UsageError, option, scrub_tokens
+from ..io import files
+from ..io.hashing import git_blob_id, sha256_file
+from ..layouts import shared_facts
+from ..manifest import DECODED_OTHERS, MANIFEST, Manifest
+from ..options import check_repo_id, format_size
+from ..writer import reading
 
 TAGS = ["moe", "int8", "experts_int8", "expq"]  # plus the output format's name
 # Never uploaded: caches, staging and temporary files, VCS folders.
@@ -132,7 +132,7 @@ def _installed_from() -> tuple[str | None, str | None]:
         return f"git+{url}@{vcs['commit_id']}", vcs["commit_id"]
     if "archive_info" in info and url.startswith(("http://", "https://")):
         return url, None
-    return _checkout_remote(Path(__file__).resolve().parent.parent)
+    return _checkout_remote(Path(__file__).resolve().parents[2])
 
 
 def _checkout_remote(root: Path) -> tuple[str | None, str | None]:
@@ -483,7 +483,7 @@ def _push(out: Path, repo_id: str, *, private: bool, revision: str | None, creat
 
 
 def _verify_before_push(out: Path, device: str):
-    from .verifier import verify
+    from ..verifier import verify
 
     report = verify(out, device=device, tokens=16)
     if not report.ok:

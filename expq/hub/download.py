@@ -8,7 +8,7 @@ the same choice is made from the local cache (``from_cache``), and a missing fil
 
 Hub snapshots are symlinks into the cache's ``blobs/``; the returned directory is used as it is.
 
-For ``--stream`` (``streaming``), ``fetch_listing`` makes the same choice from a listing with sizes and LFS sha256,
+For ``--stream`` (``hub.stream``), ``fetch_listing`` makes the same choice from a listing with sizes and LFS sha256,
 downloads only the index and side files (into the stream folder), and ``read_remote_header`` reads each shard's
 header with HTTP range requests; ``hub_failure`` classifies errors where no cache can stand in.
 """
@@ -20,11 +20,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
+from ..errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
                      IncompleteCacheError, SourceError, scrub_tokens)
-from .io.hashing import git_blob_id, sha256_file
-from .io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
-from .io.safetensors import Shard, header_length, parse_header
+from ..io.hashing import git_blob_id, sha256_file
+from ..io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
+from ..io.safetensors import Shard, header_length, parse_header
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 OFFLINE = "HF_HUB_OFFLINE is set"
