@@ -94,7 +94,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
             byte-identical. See ``cluster``.
         to_hub: with ``ray``, publish to this Hub model repo instead of writing ``out`` (None): each task uploads
             its shards, the driver makes one commit with them, config, index, ``expq.json`` and the model card
-            (``hub.push.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
+            (``hub.card.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
         allow_random_experts_in_transformers: write ``format`` even where stock transformers would load the result
             with randomly initialised experts (a checkpoint only for vLLM or expq); ``verify`` and the model card
             then say so.

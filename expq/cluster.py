@@ -17,7 +17,7 @@ last MiB of each local shard) is read by a task. Then:
 3. **Record and commit** (the driver): each result goes into OUT's journal as it arrives (a re-run keeps those
    shards and runs only the tasks of the missing ones); then config, index, side files and ``expq.json``, and the one
    commit point of ``writer.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
-   shards, for the model card), the repo's README (``hub.push.model_card``), one commit with every file, then a check of
+   shards, for the model card), the repo's README (``hub.card.model_card``), one commit with every file, then a check of
    every remote size and hash.
 
 Tasks ask for ``num_cpus=1`` (and ``num_gpus=1`` per device with ``--device cuda...``) and ``memory`` from the
@@ -532,7 +532,7 @@ class _RayRun:
         """Tasks upload their shards; the driver lays down the small files beside sparse stand-ins of the shards
         (real headers and sizes, for the card), commits them locally, writes the card, and publishes it all in one
         commit."""
-        from .hub.push import model_card
+        from .hub.card import model_card
 
         plan = self.plan
         prepare_repo(repo_id, token, private=private)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import expq
 from expq.cli import app
 from expq.hub import Install, install_line, model_card
-from expq.hub.push import _checkout_remote
+from expq.hub.card import _checkout_remote
 
 GIVEN = 'pip install "expq @ git+https://example.org/expq@0123abc"'
 
