@@ -1,9 +1,11 @@
 """``push``: publish a converted checkpoint to the Hugging Face Hub with a model card that tells the truth.
 
-Built on ``huggingface_hub`` alone: ``create_repo(exist_ok=True)``, the library's resumable upload (``upload_folder``
-on huggingface_hub >= 2, which splits large folders into several commits and resumes when re-run; ``upload_large_folder``
-on 1.x), then a check that the remote files have the local sizes and hashes. The token comes from ``token=``,
-``HF_TOKEN`` or the huggingface_hub login, and is never printed.
+Steps: list OUT's files (refusing links), verify, make the card (``hub.card``), put it in place, create the repo,
+upload, compare. Built on ``huggingface_hub`` alone: ``create_repo(exist_ok=True)``, the library's resumable upload
+(``upload_folder`` on huggingface_hub >= 2, which splits large folders into several commits and resumes when re-run;
+``upload_large_folder`` on 1.x), then a check that the remote files have the local sizes and hashes. The token comes
+from ``token=``, ``HF_TOKEN`` or the huggingface_hub login, and is never printed. A failure of the Hub is named by
+``hub.errors.translate``, as on a download (the same exit status for the same answer).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..options import check_repo_id
 from ..version import __version__
 from ..writer import reading
 from .card import card_warnings, model_card, publishing_warnings
+from .errors import translated
 
 # Never uploaded: caches, staging and temporary files, VCS folders.
 IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
@@ -31,14 +34,9 @@ IGNORE = [".cache/*", ".cache/**", ".git/*", ".git/**", "**/.DS_Store",
 
 
 class PushError(ExpqError):
-    """A push failed: no token, no permission, a repo of another type, a network failure, a mismatch after upload.
-
-    ``exit_code`` follows the read side's (README, exit statuses): 3 the repo is not found, 4 no write access (403),
-    5 the token is rejected (401), 6 the Hub cannot be reached; 1 otherwise."""
-
-    def __init__(self, message: str, *, exit_code: int = 1, **kw):
-        self.exit_code = exit_code
-        super().__init__(message, **kw)
+    """A push failed on expq's side (exit status 1): verify failed, no token, the name is a dataset or Space repo,
+    or the remote files differ after upload. What the Hub answers is a ``HubError`` (``hub.errors.translate``:
+    3 not found, 4 no write access, 5 the token rejected, 6 the Hub cannot be used, 1 another answer)."""
 
 
 @dataclass
@@ -128,8 +126,11 @@ def push(out: str | Path, repo_id: str, *, private: bool = False, revision: str 
         PushReport.
 
     Raises:
-        PushError: verification failed, no token, no permission, the id names a repo of another type, a network
-            failure (re-run to resume: finished files are not uploaded again), or the remote files differ after upload.
+        PushError: verification failed, no token, the id names a repo of another type, or the remote files differ
+            after upload.
+        HubError: the Hub refused or failed (``hub.errors.translate``: HubNotFoundError 3, HubAccessError 4 (no
+            write access), HubAuthError 5 (the token rejected), HubOfflineError 6 (offline, no network, an outage),
+            HubError 1 (another answer)); re-run to resume: finished files are not uploaded again.
         UsageError: a bad repo id, or OUT has no expq.json. SourceError: OUT is not a converted checkpoint.
     """
     out = Path(out)
@@ -159,15 +160,14 @@ def _push(out: Path, repo_id: str, *, private: bool, revision: str | None, creat
     tok = hub_token(token)  # before anything is written
     with card_in_place(out / "README.md", card):  # the previous README.md comes back if the push fails
         try:
-            _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
-                    commit_message=commit_message or f"Upload {ck.format.name} checkpoint made with expq {__version__}",
-                    token=tok)
+            with translated(repo=repo_id, revision=revision, token=tok, action="write"):
+                _upload(out, repo_id, res, private=private, revision=revision, create_pr=create_pr,
+                        commit_message=commit_message or f"Upload {ck.format.name} checkpoint made with expq "
+                                                         f"{__version__}", token=tok)
         except ExpqError as e:
             e.message = scrub_tokens(e.message, tok)
             Exception.__init__(e, e._line())  # the line printed is the scrubbed one
             raise
-        except Exception as e:  # noqa: BLE001
-            raise translate_hub_error(e, repo_id, tok) from None
     return res
 
 
@@ -223,25 +223,6 @@ def _put(tmp: Path, path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-
-
-def translate_hub_error(e: Exception, repo_id: str, token: str) -> PushError:
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    text = scrub_tokens(str(e).splitlines()[0] if str(e) else type(e).__name__, token)
-    resume = "re-run the same command to resume; finished files are not uploaded again"
-    if isinstance(e, RepositoryNotFoundError) or status == 404:
-        return PushError(f"repo {repo_id} not found or not accessible with this token: {text}", exit_code=3)
-    if status == 401:
-        return PushError(f"the Hub rejected the token (401): {text}", exit_code=5,
-                         hint=f"check {option('token', 'TOKEN')} / HF_TOKEN")
-    if status == 403:
-        return PushError(f"no write permission to {repo_id} with this token (403)", exit_code=4,
-                         hint="use a token with write access to this namespace")
-    if isinstance(e, HfHubHTTPError) and status is not None:
-        return PushError(f"the Hub answered {status}: {text}", hint=resume)
-    return PushError(f"network failure talking to the Hub ({type(e).__name__}: {text})", exit_code=6, hint=resume)
 
 
 def ensure_model_repo(api, repo_id: str, *, private: bool) -> None:
