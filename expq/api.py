@@ -20,7 +20,7 @@ from .options import DEFAULT_MAX_SHARD, check_convert, check_inspect
 from .pipeline import run_plan
 from .plan import DEFAULT_FORMAT, Plan, make_plan
 from .source import resolve_source
-from .streaming import streamed
+from .hub.stream import streamed
 from .writer import OutputDir, ShardSet, check_out_location
 
 __all__ = ["ConvertReport", "convert", "inspect"]
@@ -85,7 +85,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         fsync: flush each shard to disk before renaming it (on by default).
         stream: for a Hub repo: plan from the shard headers (ranged reads), then download the shards a few at a
             time into ``.<OUT>.expq-stream/`` beside OUT, deleting each once converted, instead of using the Hub
-            cache (peak disk: OUT + 3 source shards; see ``streaming``). A killed run resumes from that folder.
+            cache (peak disk: OUT + 3 source shards; see ``hub.stream``). A killed run resumes from that folder.
         ray: run on a Ray cluster (``local``: a new one on this machine; ``auto``: the one this machine belongs
             to; ``HOST:PORT`` or ``ray://HOST:PORT``; an already initialised Ray is used as it is): the driver
             plans from headers only, one task per group of output shards converts them where the cluster puts it
@@ -94,7 +94,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
             byte-identical. See ``cluster``.
         to_hub: with ``ray``, publish to this Hub model repo instead of writing ``out`` (None): each task uploads
             its shards, the driver makes one commit with them, config, index, ``expq.json`` and the model card
-            (``hub.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
+            (``hub.card.model_card``), then checks every remote file's size and sha256. ``private``: create it private.
         allow_random_experts_in_transformers: write ``format`` even where stock transformers would load the result
             with randomly initialised experts (a checkpoint only for vLLM or expq); ``verify`` and the model card
             then say so.
@@ -164,7 +164,7 @@ def _peak(feeder) -> int | None:
 @contextlib.contextmanager
 def _opened_source(src: str | Path, out: str | Path, *, stream: bool, revision: str | None, token: str | None):
     """(the Source, the StreamFeeder that feeds its shards, or None): ``resolve_source``, or with ``stream``
-    ``streaming.streamed`` (the stream folder is removed after a success and after an error that is not
+    ``hub.stream.streamed`` (the stream folder is removed after a success and after an error that is not
     ``resumable``)."""
     if not stream:
         yield resolve_source(src, revision=revision, token=token), None

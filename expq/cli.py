@@ -437,8 +437,8 @@ def push(
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
     with errors_to_exit_codes():
         options.check_repo_id(repo_id)
-    from .hub import push as api_push
-    from .hub import report_json
+    from .hub.push import push as api_push
+    from .hub.push import report_json
 
     quiet_hub_bars()
     with errors_to_exit_codes():

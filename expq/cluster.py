@@ -10,15 +10,15 @@ last MiB of each local shard) is read by a task. Then:
 2. **Run** (``write_shards``, in each task): the normal pipeline (``run_plan``, ``ShardSet``) restricted to the
    task's shards: the other shards count as finished elsewhere. A directory SRC is read in place (a shared
    filesystem); a Hub SRC's files are downloaded by the task alone into a temporary folder on its node, a few at a
-   time (``streaming.StreamFeeder``), and deleted once converted. The shards go into OUT's staging folder (shared
+   time (``hub.stream.StreamFeeder``), and deleted once converted. The shards go into OUT's staging folder (shared
    filesystem), or, with ``--to-hub``, into a temporary folder from which the task uploads them itself
-   (``preupload_lfs_files``) and deletes them. A task returns only names, sizes, sha256 and row findings (and the
+   (``hub.publish.upload_shards``) and deletes them. A task returns only names, sizes, sha256 and row findings (and the
    upload's ``CommitOperationAdd``, its content freed).
 3. **Record and commit** (the driver): each result goes into OUT's journal as it arrives (a re-run keeps those
    shards and runs only the tasks of the missing ones); then config, index, side files and ``expq.json``, and the one
    commit point of ``writer.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
-   shards, for the model card), the repo's README (``hub.model_card``), one commit with every file, then a check of
-   every remote size and hash.
+   shards, for the model card), the repo's README (``hub.card.model_card``), one commit with every file, then a check
+   of every remote size and hash (``hub.publish``).
 
 Tasks ask for ``num_cpus=1`` (and ``num_gpus=1`` per device with ``--device cuda...``) and ``memory`` from the
 plan's bytes; a task whose worker dies is retried (``MAX_RETRIES``), and so is one that fails on the network
@@ -41,19 +41,21 @@ from typing import Callable
 
 from .conversion import (ConvertReport, check_unchanged, command_line, keep_or_discard, make_report, plan_conversion,
                          run_settings, source_stamps, write_side_files)
-from .errors import ClusterError, ExpqError, HubError, HubOfflineError, Interrupted, UsageError, resumable
+from .errors import ClusterError, ExpqError, HubOfflineError, Interrupted, UsageError, resumable
+from .hub.card import model_card
+from .hub.publish import prepare_repo, publish, upload_settings, upload_shards
+from .hub.push import hub_token as login_token
+from .hub.stream import StreamFeeder, streamed
 from .interrupts import StopSignal, stop_on_signals
 from .manifest import Manifest
 from .pipeline import RunStats
 from .plan import JobKind, Plan
 from .options import is_repo_id
 from .source import local_identity, resolve_source
-from .streaming import StreamFeeder, streamed
 from .version import __version__
 from .writer import OutputDir, placeholder_shard
 
 MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
-MAX_FILES_PER_COMMIT = 100  # --to-hub: more files than this are committed in several commits, the small files last
 FAULT_ENV = "EXPQ_RAY_FAULT"
 """Test seam, read on the driver and handed to its tasks: ``kill-once:MARKER`` kills the worker (SIGKILL) after the
 first tensor it writes, unless the file ``MARKER`` exists (it is created first, so the retry runs through)."""
@@ -182,7 +184,7 @@ def _task(plan: Plan, group: TaskGroup, dest: str | None, listing, upload: dict 
                                          allow_nonfinite=allow_nonfinite, fsync=fsync, feeder=feeder,
                                          on_progress=_fault_hook(fault))
         if upload is not None:
-            for r, op in zip(results, _upload_shards(folder, [r.name for r in results], **upload)):
+            for r, op in zip(results, upload_shards(folder, [r.name for r in results], **upload)):
                 r.operation = op
     return results, findings
 
@@ -198,45 +200,6 @@ def _fault_hook(spec: str) -> Callable[[int, int], None] | None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
-
-
-def upload_settings(repo_id: str, token: str) -> dict:
-    """What a task needs to upload into ``repo_id`` as this process would: the token, this process's Hub
-    (``HF_ENDPOINT``) and whether it uses Xet (``HF_HUB_DISABLE_XET``)."""
-    from huggingface_hub import constants
-
-    return {"repo_id": repo_id, "token": token, "revision": None, "endpoint": constants.ENDPOINT,
-            "disable_xet": bool(constants.HF_HUB_DISABLE_XET)}
-
-
-def _upload_shards(folder: Path, names: list[str], *, repo_id: str, token: str, revision: str | None,
-                   endpoint: str | None, disable_xet: bool) -> list:
-    """Upload shard files to the repo's LFS storage (``preupload_lfs_files``: no commit yet) and return their
-    ``CommitOperationAdd`` with the content dropped (the driver commits them)."""
-    from huggingface_hub import CommitOperationAdd, HfApi, constants
-    from huggingface_hub.utils import disable_progress_bars
-
-    from .hub import translate_hub_error
-
-    disable_progress_bars()
-    ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in names]
-    xet_before = constants.HF_HUB_DISABLE_XET
-    constants.HF_HUB_DISABLE_XET = disable_xet  # the driver's choice, for this task (a worker runs one at a time)
-    try:
-        HfApi(endpoint=endpoint, token=token).preupload_lfs_files(repo_id, additions=ops, revision=revision,
-                                                                  free_memory=True)
-    except ExpqError:
-        raise
-    except Exception as e:  # noqa: BLE001 - one line, like expq push
-        raise translate_hub_error(e, repo_id, token) from None
-    finally:
-        constants.HF_HUB_DISABLE_XET = xet_before
-    for op in ops:
-        if op._upload_mode != "lfs":
-            raise HubError("the Hub wants this shard as a regular (non-LFS) file; expq uploads shards through LFS "
-                           "only", repo=repo_id, file=op.path_in_repo)
-        op.path_or_fileobj = b""  # only path, size and sha256 travel back
-    return ops
 
 
 def _identity_task(source) -> list[list]:
@@ -427,8 +390,6 @@ def convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool,
     Raises:
         as ``api.convert``; ClusterError: the cluster cannot be reached, or a task failed after its retries.
     """
-    from .hub import hub_token as login_token
-
     hub_token = login_token(token) if to_hub is not None else None
     with contextlib.ExitStack() as stack:
         here = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="expq-driver-"))) / "out" \
@@ -452,7 +413,7 @@ def convert_on_ray(src, out, address: str, *, to_hub: str | None, private: bool,
 @contextlib.contextmanager
 def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
     """(the Source, the Hub listing the tasks download from, or None for a directory), reading no weight byte: a
-    directory's headers, or a Hub repo's by ranged reads (``streaming.streamed``; its folder holds the side files
+    directory's headers, or a Hub repo's by ranged reads (``hub.stream.streamed``; its folder holds the side files
     only)."""
     p = Path(src).expanduser()
     if p.exists() or not is_repo_id(str(src)):  # a directory, or the same error a plain convert gives
@@ -532,8 +493,6 @@ class _RayRun:
         """Tasks upload their shards; the driver lays down the small files beside sparse stand-ins of the shards
         (real headers and sizes, for the card), commits them locally, writes the card, and publishes it all in one
         commit."""
-        from .hub import model_card
-
         plan = self.plan
         prepare_repo(repo_id, token, private=private)
         results: dict = {}
@@ -551,68 +510,3 @@ class _RayRun:
         urls, _ = publish(here, plan, results, repo_id, token,
                           commit_message=f"Upload {plan.format.name} checkpoint made with expq {__version__}")
         return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)
-
-
-# --- the Hub side of --to-hub ----------------------------------------------------------------------------------------
-def prepare_repo(repo_id: str, token: str, *, private: bool) -> None:
-    """Create the target model repo if needed (before the tasks upload into it), as ``expq push`` does."""
-    from huggingface_hub import HfApi
-
-    from .hub import ensure_model_repo, translate_hub_error
-
-    api = HfApi(token=token)
-    try:
-        ensure_model_repo(api, repo_id, private=private)
-    except ExpqError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, repo_id, token) from None
-
-
-def publish(small: Path, plan: Plan, results: dict[str, ShardResult], repo_id: str, token: str, *,
-            commit_message: str) -> tuple[list[str], int]:
-    """Commit the uploaded shards and the small files of ``small`` (a finished output folder whose shards are
-    stand-ins; its README.md is the model card) to ``repo_id``: one commit, or for more than
-    ``MAX_FILES_PER_COMMIT`` files, the shards in batches first and the small files (index, config, expq.json,
-    card) last, so that the repo is a loadable checkpoint only once all of it is there. Then every remote file's
-    size and hash is checked against what was made (``hub.compare_remote``).
-
-    Returns:
-        (the commit URLs, the files checked).
-
-    Raises:
-        PushError: a Hub failure, or a remote file that differs.
-    """
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    from .hub import PushReport, compare_remote, translate_hub_error
-    from .io.hashing import sha256_file
-
-    api = HfApi(token=token)
-    shard_ops = [results[n].operation for n in plan.shard_names]
-    files = [{"path": r.name, "size": r.size, "sha256": r.sha256} for r in (results[n] for n in plan.shard_names)]
-    small_ops = []
-    for p in sorted(small.rglob("*")):
-        rel = p.relative_to(small).as_posix()
-        if p.is_file() and rel not in results:
-            small_ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(p)))
-            files.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
-    ops = shard_ops + small_ops
-    batches = [ops] if len(ops) <= MAX_FILES_PER_COMMIT else (
-        [shard_ops[i:i + MAX_FILES_PER_COMMIT] for i in range(0, len(shard_ops), MAX_FILES_PER_COMMIT)]
-        + [small_ops])
-    urls = []
-    try:
-        for i, batch in enumerate(batches):
-            part = f" ({i + 1}/{len(batches)})" if len(batches) > 1 else ""
-            info = api.create_commit(repo_id, operations=batch, commit_message=commit_message + part)
-            urls.append(getattr(info, "commit_url", None) or "")
-        res = PushReport(repo_id=repo_id, revision=None, dry_run=False, files=files,
-                         bytes=sum(f["size"] for f in files), verified=None, verify_verdict=None)
-        compare_remote(api, small, repo_id, None, res)
-    except ExpqError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, repo_id, token) from None
-    return urls, res.checked_remote
-

@@ -149,9 +149,10 @@ class Interrupted(ExpqError):
 
 
 class HubError(SourceError):
-    """A Hub repo id could not be turned into a local snapshot. ``repo`` and ``revision`` say which; ``file`` is the
-    path inside the repo (or the cache) where one file is the problem. The line starts ``repo ID (revision REV)``
-    and never holds a token. Resumable: a re-run finds what was downloaded before."""
+    """A call to the Hub failed: a repo id could not be turned into a local snapshot, or a push or ``--to-hub``
+    upload failed (``hub.errors.translate`` names a failure alike both ways). ``repo`` and ``revision`` say which;
+    ``file`` is the path inside the repo (or the cache) where one file is the problem. The line starts ``repo ID
+    (revision REV)`` and never holds a token. Resumable: a re-run finds what was downloaded (or uploaded) before."""
 
     resumable = True
 
@@ -176,8 +177,8 @@ class HubNotFoundError(HubError):
 
 
 class HubAccessError(HubError):
-    """The Hub refused access: a gated repo whose conditions are not accepted, or a token without read permission
-    (HTTP 403; exit status 4)."""
+    """The Hub refused access: a gated repo whose conditions are not accepted, or a token without read (or, for a
+    push, write) permission (HTTP 403; exit status 4)."""
 
     exit_code = 4
 
@@ -189,8 +190,8 @@ class HubAuthError(HubError):
 
 
 class HubOfflineError(HubError):
-    """The Hub cannot be used (``HF_HUB_OFFLINE``, no network, or a Hub outage) and the revision is not in the
-    local cache (exit status 6)."""
+    """The Hub cannot be used (``HF_HUB_OFFLINE``, no network, or a Hub outage) and, for a download, the revision
+    is not in the local cache (exit status 6)."""
 
     exit_code = 6
 

@@ -335,14 +335,14 @@ def _side_files(root: Path, shards: set[str], inside: _Inside | None = None) -> 
 def resolve_source(src: str | Path, *, revision: str | None = None, token: str | bool | None = None) -> Source:
     """Open ``src``: an existing local directory, else a Hub repo id fetched with ``huggingface_hub``.
 
-    A Hub repo is fetched by ``hubsource.fetch``: the user's cache and token, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE``
+    A Hub repo is fetched by ``hub.download.fetch``: the user's cache and token, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE``
     are honoured, and only the files a conversion needs are downloaded (the shards its index names, the index, and
     the root-level side files: no ``onnx/``, ``metal/``, ``original/``, no unindexed or other-format weights).
 
     Raises:
         SourceError: the directory is not a checkpoint. UsageError: ``src`` is neither a directory nor a repo id.
         HubNotFoundError (exit 3), HubAccessError (4), HubAuthError (5), HubOfflineError (6), IncompleteCacheError
-            (7): see ``hubsource.fetch``; all are ``SourceError`` subclasses.
+            (7): see ``hub.download.fetch``; all are ``SourceError`` subclasses.
     """
     p = Path(src).expanduser()
     if p.exists():
@@ -353,7 +353,7 @@ def resolve_source(src: str | Path, *, revision: str | None = None, token: str |
         return src
     s = str(src)
     check_source(s)
-    from .hubsource import fetch
+    from .hub.download import fetch
 
     local, commit = fetch(s, revision=revision, token=token)
     src = open_source(local, repo_id=s, revision=revision or "main", commit=commit)

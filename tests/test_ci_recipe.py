@@ -66,10 +66,11 @@ def test_recipe_end_to_end(hub_server, recipe, tmp_path):
     run, folder, work = recipe
     first = hub_server.head(SRC)
 
-    # 1. first run: convert and verify --source pass, the Hub refuses the commit (507): push's status, nothing published
+    # 1. first run: convert and verify --source pass, the Hub fails the commit (507, an outage: 6 as on a download),
+    # nothing published
     hub_server.inject_fault("commit", status=507, times=1)
     code, res, err = run()
-    assert code == 1 and res["step"] == "push" and res["pushed"] is False and res["commit"] == first, err
+    assert code == 6 and res["step"] == "push" and res["pushed"] is False and res["commit"] == first, err
     assert json.loads((work / "verify.json").read_text())["ok"] is True
     assert "expq.json" not in _published(hub_server)
 

@@ -1,6 +1,7 @@
-"""Hub sources, through the real huggingface_hub client and the local Hub-compatible server (tests/hub_server.py):
-only the files a conversion needs are downloaded, and every way of not getting them has its own exit status and a
-one-line message naming the repo (and the file), never the token."""
+"""Hub errors, through the real huggingface_hub client and the local Hub-compatible server (tests/hub_server.py):
+only the files a conversion needs are downloaded, every way of not getting them has its own exit status and a
+one-line message naming the repo (and the file), never the token; and the same answer of the Hub is the same exit
+status for a download (convert, inspect) as for an upload (push)."""
 
 from __future__ import annotations
 
@@ -214,3 +215,44 @@ def test_cache_without_refs_suggests_the_commit(hub_server, junk_repo, tmp_path,
         assert_error(both(tmp_path, REPO, *args), 7, "no refs/main", f"--revision {commit}")
     code, text = run("inspect", REPO, "--revision", commit)  # and the suggestion works
     assert code == 0, text
+
+
+# --- both ways: the same answer of the Hub is the same exit status for a download and for an upload ----------------
+@pytest.fixture
+def int8_out(tmp_path, tmp_path_factory):
+    """A converted checkpoint to push, converted from a local directory (no Hub call)."""
+    import expq
+
+    out = tmp_path / "int8"
+    expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu")
+    return out
+
+
+def down_and_up(out, *args):
+    """(exit code, output) of a download (`expq inspect org/junk`) and of an upload (`expq push OUT me/up`)."""
+    return [run("inspect", REPO, *args), run("push", out, "me/up", "--skip-verify", *args)]
+
+
+@pytest.mark.parametrize("status,code,says", [(404, 3, "the Hub answered 404"), (403, 4, "(HTTP 403: Injected"),
+                                              (507, 6, "the Hub answered 507"), (400, 1, "the Hub answered 400")])
+def test_the_same_answer_is_the_same_exit_status_both_ways(hub_server, junk_repo, int8_out, status, code, says):
+    hub_server.inject_fault("*", status=status)  # every request, of either direction, gets this answer
+    assert_error(down_and_up(int8_out), code, says)
+    assert {"info"} <= set(hub_server.stats) and not hub_server.repo_exists("me/up")
+
+
+def test_a_rejected_token_is_5_both_ways(hub_server, junk_repo, int8_out):
+    secret = "hf_wrong_secret_value_42"
+    assert_error(down_and_up(int8_out, "--token", secret), 5, "the Hub rejected the token (401",
+                 "check --token TOKEN, HF_TOKEN or hf auth login", secret=secret)
+
+
+def test_an_unreachable_hub_is_6_both_ways(hub_server, junk_repo, int8_out, tmp_path, monkeypatch):
+    configure_hf_client(monkeypatch, "http://127.0.0.1:9", tmp_path / "home2", "hf_test_token")  # nothing listens
+    assert_error(down_and_up(int8_out), 6, "the Hub at http://127.0.0.1:9 cannot be reached")
+
+
+def test_offline_mode_is_6_both_ways(hub_server, junk_repo, int8_out, monkeypatch):
+    set_hf_offline(monkeypatch)
+    assert_error(down_and_up(int8_out), 6, "HF_HUB_OFFLINE is set")
+    assert sum(hub_server.stats.values()) == 0

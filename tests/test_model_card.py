@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 import expq
 from expq.cli import app
-from expq.hub import Install, _checkout_remote, install_line, model_card
+from expq.hub import Install, install_line, model_card
+from expq.hub.card import _checkout_remote
 
 GIVEN = 'pip install "expq @ git+https://example.org/expq@0123abc"'
 
@@ -159,7 +160,7 @@ def test_hf_download_local_dir_copy_records_its_commit(hub_server, tmp_path, tmp
 
 @pytest.mark.parametrize("before", ["none", "file"])
 def test_card_in_place_puts_back_what_was_there(tmp_path, before):
-    from expq.hub import card_in_place
+    from expq.hub.push import card_in_place
 
     path = tmp_path / "README.md"
     if before == "file":
@@ -177,7 +178,7 @@ def test_card_in_place_puts_back_what_was_there(tmp_path, before):
 
 
 def test_card_in_place_never_writes_through_a_link(tmp_path):
-    from expq.hub import card_in_place
+    from expq.hub.push import card_in_place
     from expq.io.files import LinkRefused
 
     (tmp_path / "notes.md").write_text("notes\n")

@@ -188,6 +188,21 @@ def test_no_token(tmp_path, tmp_path_factory, monkeypatch):
     assert res.exit_code == 1 and "no Hugging Face token" in one_line(res)
 
 
+def test_to_hub_refused_by_the_hub_exits_as_push_does(hub_server, tmp_path, tmp_path_factory):
+    """--to-hub's Hub failures are named as push's and a download's are (hub.errors.translate): the token
+    rejected is 5, no write access 4; nothing is committed."""
+    src = str(example(tmp_path_factory, "mixtral"))
+    secret = "hf_wrong_secret_value_42"
+    res = CliRunner().invoke(app, ["convert", src, "--to-hub", "me/x", "--ray", "local", "--token", secret])
+    line = one_line(res)
+    assert res.exit_code == 5 and line.startswith("error: repo me/x: the Hub rejected the token (401") and \
+        secret not in res.output
+    hub_server.deny_write("forbidden")
+    res = CliRunner().invoke(app, ["convert", src, "--to-hub", "forbidden/x", "--ray", "local"])
+    assert res.exit_code == 4 and "no write permission with this token (HTTP 403" in one_line(res)
+    assert not hub_server.repo_exists("me/x") and not hub_server.repo_exists("forbidden/x")
+
+
 def test_no_ray_installed(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     res = CliRunner().invoke(app, ["convert", str(example(tmp_path_factory, "mixtral")), str(tmp_path / "o"),

@@ -23,7 +23,7 @@ import expq
 from expq.cli import app
 from expq.errors import HubError, SourceError, UsageError
 from expq.pipeline import make_units
-from expq.streaming import DEFAULT_AHEAD, StreamFeeder, open_stream, stream_folder
+from expq.hub.stream import DEFAULT_AHEAD, StreamFeeder, open_stream, stream_folder
 
 REPO = "org/stream-mixtral"
 SHARD = "40KB"  # output shards: several, each fed by more than one source shard
@@ -168,7 +168,7 @@ def test_stream_hub_errors(case, hub_server, repo, tmp_path, monkeypatch):
 def test_peak_disk_follows_ahead(hub_server, repo, reference, tmp_path, monkeypatch):
     """With ahead=0 each shard is deleted before the next is downloaded: one shard at a time."""
     folder, _, sizes = repo
-    monkeypatch.setattr("expq.streaming.DEFAULT_AHEAD", 0)
+    monkeypatch.setattr("expq.hub.stream.DEFAULT_AHEAD", 0)
     seen = []
     real_done = StreamFeeder.done
 

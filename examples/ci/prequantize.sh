@@ -86,8 +86,10 @@ try:
     print(HfApi().model_info(repo, revision=rev).sha)
 except Exception as e:  # the same classification, message and exit status as expq convert
     from expq.errors import ExpqError
-    from expq.hubsource import hub_failure
-    err = e if isinstance(e, ExpqError) else hub_failure(e, repo, rev, None)
+    from expq.hub.errors import translate
+    err = e if isinstance(e, ExpqError) else translate(e, repo=repo, revision=rev)
+    if not isinstance(err, ExpqError):
+        raise err
     print(f"error: {err}", file=sys.stderr)
     sys.exit(err.exit_code)
 PY
@@ -108,8 +110,11 @@ try:
 except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
     print("no"); sys.exit(0)
 except Exception as e:
-    from expq.hubsource import hub_failure
-    err = hub_failure(e, repo, rev or "main", None)
+    from expq.errors import ExpqError
+    from expq.hub.errors import translate
+    err = translate(e, repo=repo, revision=rev or "main")
+    if not isinstance(err, ExpqError):
+        raise err
     print(f"error: {err}", file=sys.stderr)
     sys.exit(err.exit_code)
 src, fmt = m.get("source") or {}, os.environ["EXPQ_FORMAT"]

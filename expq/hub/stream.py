@@ -1,6 +1,6 @@
 """``--stream``: converting a Hub repo whose source and output do not fit on the disk together.
 
-The plan is made from the shards' headers alone (``hubsource.read_remote_header``: ranged reads, no tensor data);
+The plan is made from the shards' headers alone (``hub.download.read_remote_header``: ranged reads, no tensor data);
 the side files (config, tokenizer, index...) are downloaded first. Then ``StreamFeeder``, the pipeline's
 ``SourceFeeder`` for ``--stream``, downloads the shards in the order the pipeline will read them, one at a time in a background
 thread, into ``.<OUT>.expq-stream/`` beside OUT (the same filesystem as the output), keeping at most ``ahead``
@@ -29,12 +29,14 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import ExpqError, HubError, UsageError
-from .hubsource import StreamListing, fetch_listing, hub_failure, read_remote_header
-from .source import RemoteShards, Source, is_repo_id, open_source
-from .interrupts import STOP
-from .io import files
-from .writer import OutputError
+from ..errors import ExpqError, HubError, UsageError
+from ..interrupts import STOP
+from ..io import files
+from ..options import is_repo_id
+from ..source import RemoteShards, Source, open_source
+from ..writer import OutputError
+from .download import StreamListing, fetch_listing, read_remote_header
+from .errors import translate
 
 STREAM = ".expq-stream"
 LOCK = ".expq-lock"  # inside the stream folder: one run at a time uses it
@@ -65,7 +67,7 @@ def open_stream(src: str, out: str | Path, *, revision: str | None = None, token
     Raises:
         UsageError: ``src`` is a local directory (``--stream`` is for Hub repos) or not a repo id; another run holds
             the stream folder.
-        SourceError, HubError: as ``hubsource.fetch_listing``, ``hubsource.read_remote_header`` and
+        SourceError, HubError: as ``download.fetch_listing``, ``download.read_remote_header`` and
             ``source.open_source``.
     """
     local = Path(src).expanduser()
@@ -232,7 +234,7 @@ class StreamFeeder:
 
         Raises:
             HubError: its download (or an earlier one: the stream stops at the first failure) failed: the Hub's
-                errors as ``hubsource`` classifies them, or a size or sha256 that differs from the listing.
+                errors as ``hub.errors.translate`` names them, or a size or sha256 that differs from the listing.
             OutputError: the stream folder cannot be written (disk full...).
             Interrupted: the run was interrupted (``interrupts.STOP``, set by convert's signal handlers) meanwhile.
         """
@@ -371,7 +373,7 @@ class StreamFeeder:
             if isinstance(e, OSError) and e.errno in _LOCAL_ERRNOS and not isinstance(e, HfHubHTTPError):
                 raise OutputError(f"cannot download into the stream folder: {e.strerror or e}",
                                   file=str(self.folder / rel)) from None
-            raise hub_failure(e, lst.repo, lst.revision, lst.token, file=rel) from None
+            raise translate(e, repo=lst.repo, revision=lst.revision, file=rel, token=lst.token) from None
 
     def _sample(self) -> None:
         """Update ``peak_bytes`` with what the folder holds now (call with ``_cv`` held)."""

@@ -8,9 +8,9 @@ the same choice is made from the local cache (``from_cache``), and a missing fil
 
 Hub snapshots are symlinks into the cache's ``blobs/``; the returned directory is used as it is.
 
-For ``--stream`` (``streaming``), ``fetch_listing`` makes the same choice from a listing with sizes and LFS sha256,
+For ``--stream`` (``hub.stream``), ``fetch_listing`` makes the same choice from a listing with sizes and LFS sha256,
 downloads only the index and side files (into the stream folder), and ``read_remote_header`` reads each shard's
-header with HTTP range requests; ``hub_failure`` classifies errors where no cache can stand in.
+header with HTTP range requests. Every failure of the Hub is named by ``hub.errors.translate``, as on the way up.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import (ExpqError, HubAccessError, HubAuthError, HubError, HubNotFoundError, HubOfflineError,
-                     IncompleteCacheError, SourceError, scrub_tokens)
-from .io.hashing import git_blob_id, sha256_file
-from .io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
-from .io.safetensors import Shard, header_length, parse_header
+from ..errors import ExpqError, HubError, HubNotFoundError, HubOfflineError, IncompleteCacheError, SourceError
+from ..io.hashing import git_blob_id, sha256_file
+from ..io.index import INDEX_NAME, Index, is_weight_file, read_index, weight_files
+from ..io.safetensors import Shard, header_length, parse_header
+from .errors import OFFLINE, offline_reason, translate
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
-OFFLINE = "HF_HUB_OFFLINE is set"
 
 
 def select_files(repo: str, revision: str, paths: list[str], index: Index | None) -> list[str]:
@@ -93,7 +92,9 @@ def fetch(repo: str, *, revision: str | None = None, token: str | bool | None = 
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001 - every Hub failure is classified; the rest is re-raised
-        reason = _classify(e, repo, rev, token)
+        reason = offline_reason(e)
+        if reason is None:
+            raise translate(e, repo=repo, revision=rev, token=token) from None
         return from_cache(repo, rev, reason)
     if local.name != info.sha:
         raise HubError(f"{rev} moved from {info.sha} to {local.name} during the download", repo=repo, revision=rev,
@@ -210,7 +211,7 @@ def fetch_listing(repo: str, folder: Path, *, revision: str | None = None,
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001 - every Hub failure is classified; the rest is re-raised
-        raise hub_failure(e, repo, rev, token) from None
+        raise translate(e, repo=repo, revision=rev, token=token) from None
     return StreamListing(repo, rev, info.sha, token, weights, side, endpoint=constants.ENDPOINT)
 
 
@@ -231,7 +232,7 @@ def read_remote_header(listing: StreamListing, rel: str, path: Path) -> Shard:
 
     Raises:
         SourceError: the header is not valid (``read_header``'s checks), naming ``hf://repo/file``.
-        HubError: the Hub refused or failed the reads (``hub_failure``).
+        HubError: the Hub refused or failed the reads (``hub.errors.translate``).
     """
     from huggingface_hub import hf_hub_url
 
@@ -243,7 +244,7 @@ def read_remote_header(listing: StreamListing, rel: str, path: Path) -> Shard:
     except ExpqError:
         raise
     except Exception as e:  # noqa: BLE001 - classified as for every Hub call
-        raise hub_failure(e, listing.repo, listing.revision, listing.token, file=rel) from None
+        raise translate(e, repo=listing.repo, revision=listing.revision, file=rel, token=listing.token) from None
     if len(blob) != n:
         raise SourceError(f"short read of the header ({len(blob)} of {n} bytes): file changed or truncated",
                           file=where)
@@ -268,20 +269,6 @@ def _read_range(url: str, start: int, length: int, token: str | bool | None) -> 
             if len(got) >= skip + length:
                 break
     return bytes(got[skip:skip + length])
-
-
-def hub_failure(e: Exception, repo: str, rev: str, token: str | bool | None, *, file: str | None = None) -> HubError:
-    """The HubError a failed Hub call means where no cache can stand in (``--stream``): the one ``_classify``
-    raises, or HubOfflineError where it would fall back to the cache (offline, no network, an outage). ``file``
-    names the file when the error does not. Exceptions that are not Hub failures are re-raised as they are."""
-    try:
-        reason = _classify(e, repo, rev, token)
-    except HubError as err:
-        if err.file is None and file is not None:
-            return type(err)(err.message, repo=err.repo, revision=err.revision, file=file, hint=err.hint)
-        return err
-    return HubOfflineError(f"the Hub cannot be used ({reason})", repo=repo, revision=rev, file=file,
-                           hint="re-run the same command to resume once it is reachable")
 
 
 def from_cache(repo: str, revision: str, reason: str) -> tuple[Path, str]:
@@ -354,79 +341,3 @@ def _cached_listing(repo: str, commit: str, cache: Path) -> list[str] | None:
         return [f.path for f in get_cached_repo_tree(repo, revision=commit, cache_dir=cache)]
     except Exception:  # noqa: BLE001 - no listing cached (CachedRepoTreeNotFoundError) or an unreadable one
         return None
-
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Exception classes meaning "the Hub could not be reached" in the HTTP clients huggingface_hub uses."""
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
-    found: list[type[BaseException]] = [OfflineModeIsEnabled, ConnectionError, TimeoutError]
-    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
-                          ("requests", ("ConnectionError", "Timeout"))):
-        try:
-            mod = __import__(module)
-        except ImportError:
-            continue
-        found += [getattr(mod, n) for n in names if hasattr(mod, n)]
-    return tuple(found)
-
-
-def _classify(e: Exception, repo: str, rev: str, token: str | bool | None) -> str:
-    """Raise the ``HubError`` a Hub failure means, or return why the cache should be tried instead (offline, no
-    network, a Hub outage). Errors not from the Hub are re-raised as they are."""
-    from huggingface_hub import constants, get_token
-    from huggingface_hub.errors import (DisabledRepoError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-
-    where = {"repo": repo, "revision": rev}
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    if isinstance(e, RevisionNotFoundError):
-        raise HubNotFoundError(f"revision {rev!r} not found on the Hub", **where) from None
-    if isinstance(e, GatedRepoError):
-        url = f"{constants.ENDPOINT}/{repo}"
-        if status == 401:
-            raise HubAccessError("gated repo, and no token was sent", **where,
-                                 hint=f"accept its conditions at {url}, then log in (hf auth login) or pass "
-                                      "--token") from None
-        raise HubAccessError("gated repo: the token's account has not been granted access", **where,
-                             hint=f"accept its conditions at {url} with that account, then retry") from None
-    if isinstance(e, RepositoryNotFoundError):
-        raise HubNotFoundError("repo not found on the Hub (or private: log in or pass a token)", **where) from None
-    if isinstance(e, RemoteEntryNotFoundError):
-        raise HubNotFoundError("the repo lists this file but the Hub answers 404 for it", **where,
-                               file=_url_path(e)) from None
-    if isinstance(e, DisabledRepoError):
-        raise HubAccessError("the repo is disabled on the Hub", **where) from None
-    if isinstance(e, OfflineModeIsEnabled):
-        return OFFLINE
-    if isinstance(e, HfHubHTTPError) and status is not None:
-        said = _one_line(scrub_tokens(getattr(e, "server_message", None) or "",
-                                      token if isinstance(token, str) else None, get_token()))
-        if status == 401:
-            raise HubAuthError("the Hub rejected the token (401 invalid credentials)", **where,
-                               hint="check --token, HF_TOKEN or hf auth login; the token is not shown") from None
-        if status == 403:
-            raise HubAccessError(f"access forbidden (HTTP 403{': ' + said if said else ''})", **where,
-                                 hint="use a token with read access to this repo") from None
-        if status >= 500 or status == 429:
-            return f"the Hub answered {status}"
-        raise HubError(f"the Hub answered {status}{': ' + said if said else ''}", **where) from None
-    if isinstance(e, _transport_errors()) or isinstance(e, LocalEntryNotFoundError):
-        return f"the Hub at {constants.ENDPOINT} cannot be reached ({type(e).__name__})"
-    raise e
-
-
-def _url_path(e: Exception) -> str | None:
-    """The repo path of the file a failed ``/resolve/`` request asked for."""
-    from urllib.parse import unquote
-
-    url = str(getattr(getattr(e, "response", None), "url", "") or "")
-    if "/resolve/" not in url:
-        return None
-    tail = unquote(url.split("/resolve/", 1)[1].split("?", 1)[0])
-    return tail.split("/", 1)[1] if "/" in tail else None
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
