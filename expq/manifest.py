@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,8 +35,12 @@ CONFIG = "config.json"
 
 # Files `expq push` writes into OUT (the model card): not part of the conversion's bytes. OUT may hold them whether
 # expq.json lists them or not, and their bytes are not compared (``files_against_manifest``); a re-run of convert
-# keeps them.
+# keeps them, a rebuild carries them into the new checkpoint.
 PUSH_WRITES = ("README.md",)
+# Documentation a user adds to OUT (a push publishes it): OUT may hold it unlisted; verify reports it, a re-run of
+# convert with nothing to do keeps it, and a rebuild refuses to delete it. Anything else (weights, configs, code:
+# what a loader could read) must be listed.
+DOCUMENTATION = re.compile(r"\.(md|txt|rst)$", re.IGNORECASE)
 MAX_MANIFEST_BYTES = 64 << 20  # expq.json (a few KiB: its size grows with the file list and the source's card)
 
 class _Record(BaseModel):
@@ -268,12 +273,14 @@ class OutFiles:
     ``listed``: the files expq.json records whose size and sha256 are compared (every one but ``PUSH_WRITES``);
     ``unlisted``: what OUT holds that expq.json does not list and OUT may not hold: files, then links and special
     files (shown with what they are: ``name (a symbolic link)``), then folders holding no file (shown ending in
-    ``/``), each group sorted.
+    ``/``), each group sorted; ``added``: the documentation OUT holds unlisted (``DOCUMENTATION``; an unlisted
+    model card among it), sorted.
     """
 
     root: Path
     listed: tuple[FileRecord, ...]
     unlisted: tuple[str, ...]
+    added: tuple[str, ...]
 
     def problems(self) -> Iterator[str]:
         """Each difference as one line naming the file: the unlisted entries first, then the listed files (by name)
@@ -292,15 +299,21 @@ class OutFiles:
                 yield f"file {f.name}: content changed since expq convert wrote it (sha256 differs from {MANIFEST})"
 
     def match(self) -> bool:
-        """OUT holds exactly what expq.json records (at least one file besides ``PUSH_WRITES``), byte for byte."""
+        """OUT holds what expq.json records (at least one file besides ``PUSH_WRITES``), byte for byte, and nothing
+        it may not hold."""
         return bool(self.listed) and next(self.problems(), None) is None
+
+    def not_carried(self) -> list[str]:
+        """The added documentation a rebuild would delete: all of it but ``PUSH_WRITES`` (which it carries)."""
+        return [a for a in self.added if a not in PUSH_WRITES]
 
 
 def files_against_manifest(out: str | Path, manifest: Manifest) -> OutFiles:
-    """The one rule for which files OUT holds, shared by ``verify`` and a re-run of ``convert``: exactly
-    ``expq.json``, the files it lists and ``PUSH_WRITES`` (the model card a push writes, listed or not, there or
-    not, its bytes not compared), each a regular file; anything else (a file, a link, a special file, a folder
-    holding no file) was not written by expq convert. Nothing under OUT is followed through a link.
+    """The one rule for which files OUT holds, shared by ``verify`` and a re-run of ``convert``: ``expq.json``, the
+    files it lists, ``PUSH_WRITES`` (the model card a push writes, listed or not, there or not, its bytes not
+    compared) and documentation a user added (``DOCUMENTATION``), each a regular file; anything else (a file, a
+    link, a special file, a folder holding no file) was not written by expq convert. Nothing under OUT is followed
+    through a link.
 
     Args:
         out: the checkpoint folder. manifest: its expq.json.
@@ -316,9 +329,11 @@ def files_against_manifest(out: str | Path, manifest: Manifest) -> OutFiles:
            for rel, st in entries if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))]
     empty = [f"{rel}/" for rel, st in entries
              if stat.S_ISDIR(st.st_mode) and not any(f.startswith(rel + "/") for f in regular)]
-    unlisted = sorted(regular - {MANIFEST} - names - set(PUSH_WRITES)) + sorted(odd) + sorted(empty)
+    extra = regular - {MANIFEST} - names
+    added = {rel for rel in extra if DOCUMENTATION.search(rel)}
+    unlisted = sorted(extra - added - set(PUSH_WRITES)) + sorted(odd) + sorted(empty)
     listed = tuple(f for f in manifest.files if f.name not in PUSH_WRITES)
-    return OutFiles(root, listed, tuple(unlisted))
+    return OutFiles(root, listed, tuple(unlisted), tuple(sorted(added)))
 
 
 def _decoded(plan) -> DecodedRecord | None:

@@ -61,7 +61,7 @@ from .interrupts import STOP
 from .io import files
 from .io.hashing import sha256_file as _sha256_any
 from .io.safetensors import encode_header
-from .manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, files_against_manifest,
+from .manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest,
                        manifest_intact)
 from .plan import OutTensor, Plan
 from .source import read_config
@@ -199,6 +199,7 @@ class OutputDir:
         self.kept: dict[str, dict] = {}
         self._journal: dict = {}
         self.existing: ManifestFile | None = None  # OUT's expq.json, read once by _check_out (None: none, or not expq's)
+        self.out_files: OutFiles | None = None  # OUT's files against it (None: it lists none)
         try:
             files.refuse_link(self.staging, "the staging folder", _STAGING_HINT)
             for p in (self.journal_path, self.journal_tmp):
@@ -216,10 +217,11 @@ class OutputDir:
 
         Raises:
             UsageError: a partial run with other settings waits (without ``overwrite``); the staging folder holds
-                files expq did not write, or a link; OUT must be replaced and its filesystem cannot swap two
-                folders atomically.
+                files expq did not write, or a link; OUT must be replaced and holds documentation a user added (it
+                would be deleted), or its filesystem cannot swap two folders atomically.
         """
         try:
+            self._refuse_foreign(self.out_files.not_carried() if self.out_files is not None else [])
             self.kept = self._start()
         except BaseException:
             self.release()
@@ -266,35 +268,35 @@ class OutputDir:
                              "delete its contents", file=str(self.out))
         with contextlib.suppress(ExpqError):
             self.existing = ManifestFile.read(self.out)
-        foreign = self._foreign_entries()
-        if foreign:
-            raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
-                             "replace it, which would delete them: move them out of OUT first", file=str(self.out))
         old = self.existing.record.settings if self.existing is not None else None
+        if self.existing is not None and self.existing.record.files:
+            self.out_files = files_against_manifest(self.out, self.existing.record)
+            # documentation a user added stays through a run with nothing to do; other settings mean a rebuild
+            self._refuse_foreign(list(self.out_files.unlisted) +
+                                 (self.out_files.not_carried() if old != self.fingerprint else []))
         if old != self.fingerprint and not self.overwrite:
             raise UsageError(f"OUT holds an expq conversion with other settings ({_differences(old, self.fingerprint)})"
                              "; pass --overwrite to replace it", file=str(self.out))
 
-    def _foreign_entries(self) -> list[str]:
-        """What an expq OUT holds that its expq.json does not list (``manifest.files_against_manifest``: the model
-        card a push writes excepted)."""
-        if self.existing is None or not self.existing.record.files:
-            return []
-        return list(files_against_manifest(self.out, self.existing.record).unlisted)
+    def _refuse_foreign(self, foreign: list[str]) -> None:
+        """Refuse to replace an OUT holding ``foreign`` entries (what expq did not write), which would delete them."""
+        if foreign:
+            raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
+                             "replace it, which would delete them: move them out of OUT first", file=str(self.out))
 
     def up_to_date(self) -> bool:
         """Whether OUT already holds exactly this conversion: same settings, and every file the manifest lists is
         there with its size and sha256 (content checked, not names), and nothing else
         (``manifest.files_against_manifest``: the model card a push writes is not compared, it is kept)."""
         m = self.existing
-        if m is None or m.record.settings != self.fingerprint:
+        if m is None or m.record.settings != self.fingerprint or self.out_files is None:
             return False
         try:
             if manifest_intact(m, read_config(self.out)) is not None:  # expq.json edited: write it anew
                 return False
         except ExpqError:
             return False
-        return files_against_manifest(self.out, m.record).match()
+        return self.out_files.match()
 
     def _start(self) -> dict[str, dict]:
         """Resume a partial run with the same settings (keeping files whose content matches the journal), or start

@@ -25,8 +25,9 @@ def files_match_manifest(ck: ConvertedCheckpoint) -> CheckResult:
         return result(name, [f"file {MANIFEST}: missing, so no file's size and sha256 can be checked"])
     if not ck.manifest.files:
         return result(name, [f"file {MANIFEST}: lists no files (written by an older expq), so none can be checked"])
-    problems = list(files_against_manifest(ck.root, ck.manifest).problems())
-    return result(name, problems, f"{len({f.name for f in ck.manifest.files})} files")
+    judged = files_against_manifest(ck.root, ck.manifest)
+    added = f"; documentation added since: {', '.join(judged.added)}" if judged.added else ""
+    return result(name, list(judged.problems()), f"{len({f.name for f in ck.manifest.files})} files{added}")
 
 
 def index_matches_shards(ck: ConvertedCheckpoint) -> CheckResult:
