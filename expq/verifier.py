@@ -3,12 +3,12 @@
 Checks:
 
 1. structure (no source needed): expq.json is there and unchanged (its canonical sha256 is the one config.json
-   records); OUT holds exactly the files expq.json lists, each with the size and sha256 it records; index and shards
-   agree; every routed expert of every MoE layer is there with the
-   format's dtypes and shapes; codes in [-127, 127]; scales finite, positive (0 only for an all-zero row, or a row
-   the manifest lists as underflowed); each row's largest code is 126 or 127 (the scheme maps the row absmax there,
-   so a zeroed or corrupted row shows); the quantization_config validates with compressed-tensors and its targets
-   match exactly the quantized modules; every file loads with ``safetensors``;
+   records); OUT holds the files expq.json lists, each with the size and sha256 it records, and nothing else
+   (``manifest.files_against_manifest``); index and shards agree; every routed expert of every MoE layer is there
+   with the format's dtypes and shapes; codes in [-127, 127]; scales finite, positive (0 only for an all-zero row,
+   or a row the manifest lists as underflowed); each row's largest code is 126 or 127 (the scheme maps the row
+   absmax there, so a zeroed or corrupted row shows); the quantization_config validates with compressed-tensors and
+   its targets match exactly the quantized modules; every file loads with ``safetensors``;
 2. against the source (``source=``): each quantized matrix equals re-quantizing the source matrix bit for bit (counts
    of differing codes and scales per tensor); every other tensor is byte-identical; each row's dequantization error
    is within half a step (plus the scheme's own rounding of w/scale to the compute dtype);
