@@ -167,8 +167,12 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
     grep -h "^ran\|Error" "$r"/*.log | tail -6 || true
     python3 "$sc" compare "$r/online.json" "$r/ct.json" "$r/ei8.json" 2>&1 | tee "$r/compare.txt" ;;
   convert28)
-    # one bench/convert.py per model (a JSON each, even if a later one runs out of time), within one deadline
-    export PYTHONPATH=$PWD
+    # one bench/convert.py per model (a JSON each, even if a later one runs out of time), within one deadline;
+    # expq's dependencies the machine lacks (pydantic, typer, rich, compressed-tensors...): wheels in .whl-conv
+    if [ -d .whl-conv ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/conv-site .whl-conv/*.whl
+    fi
+    export PYTHONPATH=$PWD:/tmp/conv-site
     mkdir -p "$OUT/convert28"
     deadline=$((SECONDS + ${BUDGET_S:-520}))
     for m in qwen3-30b-a3b:12 mixtral-8x7b:4 deepseek-v3:2 gpt-oss-120b:4; do

@@ -15,7 +15,6 @@ from .devices import parse_devices, warm_up
 from .errors import UsageError, resumable
 from .interrupts import stop_on_signals
 from .layouts import Layout
-from .manifest import Manifest
 from .options import DEFAULT_MAX_SHARD, check_convert, check_inspect
 from .pipeline import run_plan
 from .plan import DEFAULT_FORMAT, Plan, make_plan
@@ -135,7 +134,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
         if outdir.up_to_date():
             outdir.finish_up_to_date()
-            return make_report(plan, outdir, Manifest.load(outdir.out), devices, time.perf_counter() - t0,
+            return make_report(plan, outdir, outdir.existing.record, devices, time.perf_counter() - t0,
                                stream_peak_bytes=_peak(feeder), up_to_date=True)
         outdir.start()
         shards = ShardSet(plan, outdir, fsync=fsync)

@@ -17,7 +17,7 @@ from .errors import LayoutError, SourceError
 from .experts import ExpertMap, w13_rows
 from .formats import FORMATS, Format, format_for_quant_method, get_format
 from .layouts import Layout, builtin_layout, detect_layout, parse_layout
-from .manifest import MANIFEST, Manifest
+from .manifest import MANIFEST, Manifest, ManifestFile, manifest_intact
 from .io.index import INDEX_NAME, SINGLE_NAME, Index, read_index
 from .io.safetensors import TORCH_DTYPES, Shard, TensorInfo, read_header, read_tensor
 from .scheme import COMPUTE_DTYPES
@@ -55,8 +55,16 @@ class LayerExperts:
 
 
 class ConvertedCheckpoint:
-    """A checkpoint written by ``expq convert`` (read-only): config, manifest, layout, shard headers, expert map and
-    format.
+    """A checkpoint written by ``expq convert`` (read-only), read once through the bytes floor: config.json,
+    expq.json (and whether it is the one config.json records), the index, every shard's header; then its layout,
+    expert map and format. Tensors are read on demand.
+
+    Attributes:
+        root, config, quantization_config; manifest (None: no expq.json); manifest_problem (None when expq.json is
+        the one config.json records, else why not: ``manifest.manifest_intact``); index (None: a single
+        ``model.safetensors``); shards (file -> Shard, every header), missing_files (shards the index names that
+        are not there), tensors (name -> TensorInfo); layout, experts (ExpertMap), format, scale_dtype, modules
+        ((layer, expert, proj) -> quantized module name).
 
     Args:
         path: the output directory.
@@ -74,7 +82,9 @@ class ConvertedCheckpoint:
         if not isinstance(self.quantization_config, dict):
             raise SourceError("config.json has no quantization_config: not a converted checkpoint",
                               file="config.json")
-        self.manifest: Manifest | None = Manifest.load_optional(self.root)
+        stored = ManifestFile.read(self.root)
+        self.manifest: Manifest | None = stored.record if stored is not None else None
+        self.manifest_problem: str | None = manifest_intact(stored, self.config)
         self.layout = self._layout()
         index_path = self.root / INDEX_NAME
         self.index: Index | None = read_index(index_path) if index_path.is_file() else None

@@ -472,7 +472,7 @@ class _RayRun:
         outdir = OutputDir(out, fingerprint=self.settings, overwrite=overwrite, src_root=src_root)
         if outdir.up_to_date():
             outdir.finish_up_to_date()
-            return self._report(outdir, Manifest.load(outdir.out), t0, up_to_date=True)
+            return self._report(outdir, outdir.existing.record, t0, up_to_date=True)
         outdir.start()
         self.findings = dict(outdir.done_jobs)
         self.finished = len(outdir.kept)

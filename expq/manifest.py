@@ -1,5 +1,6 @@
 """``expq.json``: the typed record of what produced a converted checkpoint, written by ``convert`` and read by
-``verify``, ``load_model``, ``push`` and the model card. No module reads its keys by hand.
+``verify``, ``load_model``, ``push`` and the model card. No module reads its keys by hand, and every reader reads
+it through ``ManifestFile.read``. ``files_against_manifest`` is the one rule for which files OUT may hold.
 
 Deterministic: no time, no machine, no absolute paths (the same input and options give the same bytes).
 """
@@ -8,12 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import SourceError
+from .io import files as io_files
+from .io.hashing import sha256_file
+from .io.regular import read_regular
 from .version import __version__
 
 MANIFEST = "expq.json"
@@ -25,9 +33,15 @@ MANIFEST = "expq.json"
 MANIFEST_SHA256_KEY = "expq_manifest_sha256"
 CONFIG = "config.json"
 
-# Files `expq push` writes into OUT (the model card): not part of the conversion's bytes; verify does not compare
-# them and a re-run of convert keeps them.
+# Files `expq push` writes into OUT (the model card): not part of the conversion's bytes. OUT may hold them whether
+# expq.json lists them or not, and their bytes are not compared (``files_against_manifest``); a re-run of convert
+# keeps them, a rebuild carries them into the new checkpoint.
 PUSH_WRITES = ("README.md",)
+# Documentation a user adds to OUT (a push publishes it): OUT may hold it unlisted; verify reports it, a re-run of
+# convert with nothing to do keeps it, and a rebuild refuses to delete it. Anything else (weights, configs, code:
+# what a loader could read) must be listed.
+DOCUMENTATION = re.compile(r"\.(md|txt|rst)$", re.IGNORECASE)
+MAX_MANIFEST_BYTES = 64 << 20  # expq.json (a few KiB: its size grows with the file list and the source's card)
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "24", true, 24.0 are not 24
@@ -170,32 +184,59 @@ class Manifest(_Record):
 
     @classmethod
     def load(cls, root: str | Path) -> "Manifest":
-        """Read and validate ``root/expq.json``.
+        """Read and validate ``root/expq.json`` (``ManifestFile.read``).
 
         Raises:
             SourceError: missing, not JSON, or not an expq manifest (names the first wrong key).
         """
+        found = ManifestFile.read(root)
+        if found is None:
+            raise SourceError(f"no {MANIFEST}: not written by expq convert", file=str(root))
+        return found.record
+
+    @classmethod
+    def load_optional(cls, root: str | Path) -> "Manifest | None":
+        """``load``, or None when there is no ``expq.json`` (a checkpoint another tool wrote)."""
+        found = ManifestFile.read(root)
+        return found.record if found is not None else None
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    """``expq.json`` as read from a folder, once: its validated record and the ``canonical_sha256`` of its data as
+    stored (what config.json's ``MANIFEST_SHA256_KEY`` must equal: the file's own data, not the record written
+    again, so that any value changed shows)."""
+
+    record: Manifest
+    sha256: str
+
+    @classmethod
+    def read(cls, root: str | Path) -> "ManifestFile | None":
+        """Read ``root/expq.json`` (a regular file of at most ``MAX_MANIFEST_BYTES``) and validate it; None when
+        there is none. Every reader of expq.json comes through here.
+
+        Raises:
+            SourceError: not a regular file, unreadable, not JSON, not a JSON object, or not an expq manifest (names
+                the first wrong key).
+        """
         path = Path(root) / MANIFEST
+        if io_files.lstat(path) is None:
+            return None
+        raw = read_regular(path, MANIFEST, MAX_MANIFEST_BYTES)
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise SourceError(f"no {MANIFEST}: not written by expq convert", file=str(root)) from None
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: Python's int digit limit
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: Python's int digit limit
             raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
                               file=str(path)) from None
         if not isinstance(data, dict):
             raise SourceError(f"{MANIFEST} must hold a JSON object", file=str(path))
         try:
-            return cls.model_validate(data)
+            record = Manifest.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             key = ".".join(str(x) for x in err["loc"])
             raise SourceError(f"not an expq manifest: {key}: {err['msg']}", file=str(path)) from None
-
-    @classmethod
-    def load_optional(cls, root: str | Path) -> "Manifest | None":
-        """``load``, or None when there is no ``expq.json`` (a checkpoint another tool wrote)."""
-        return cls.load(root) if (Path(root) / MANIFEST).is_file() else None
+        return cls(record, canonical_sha256(data))
 
 
 def canonical_sha256(data: dict) -> str:
@@ -210,38 +251,89 @@ def canonical_sha256(data: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def manifest_sha256(root: str | Path) -> str | None:
-    """``canonical_sha256`` of ``root/expq.json`` as it is on disk (None when it is missing or not a JSON object).
-
-    Raises:
-        SourceError: it cannot be read.
-    """
-    path = Path(root) / MANIFEST
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as e:
-        raise SourceError(f"{MANIFEST} cannot be read: {type(e).__name__}", file=str(path)) from None
-    return canonical_sha256(data) if isinstance(data, dict) else None
-
-
-def manifest_intact(root: str | Path, config: dict) -> str | None:
-    """None when ``root/expq.json`` hashes to what ``config`` (config.json's data) records under
-    ``MANIFEST_SHA256_KEY``, else why not, as a line to follow ``file expq.json: `` (missing, not recorded,
-    changed)."""
-    try:
-        got = manifest_sha256(root)
-    except SourceError as e:
-        return e.message
-    if got is None:
+def manifest_intact(found: ManifestFile | None, config: dict) -> str | None:
+    """None when expq.json (``found``: as ``ManifestFile.read`` read it, None when missing) hashes to what
+    ``config`` (config.json's data) records under ``MANIFEST_SHA256_KEY``, else why not, as a line to follow
+    ``file expq.json: `` (missing, not recorded, changed)."""
+    if found is None:
         return "missing (the record of what expq convert wrote, and of every file's sha256)"
     want = config.get(MANIFEST_SHA256_KEY)
     if not isinstance(want, str):
         return f"cannot be checked: {CONFIG} has no {MANIFEST_SHA256_KEY} (removed, or written by an older expq)"
-    if got != want:
+    if found.sha256 != want:
         return f"changed since expq convert wrote it (its sha256 differs from {CONFIG}'s {MANIFEST_SHA256_KEY})"
     return None
+
+
+# --- OUT's files against the manifest ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OutFiles:
+    """OUT's entries judged against its expq.json (``files_against_manifest``).
+
+    ``listed``: the files expq.json records whose size and sha256 are compared (every one but ``PUSH_WRITES``);
+    ``unlisted``: what OUT holds that expq.json does not list and OUT may not hold: files, then links and special
+    files (shown with what they are: ``name (a symbolic link)``), then folders holding no file (shown ending in
+    ``/``), each group sorted; ``added``: the documentation OUT holds unlisted (``DOCUMENTATION``; an unlisted
+    model card among it), sorted.
+    """
+
+    root: Path
+    listed: tuple[FileRecord, ...]
+    unlisted: tuple[str, ...]
+    added: tuple[str, ...]
+
+    def problems(self) -> Iterator[str]:
+        """Each difference as one line naming the file: the unlisted entries first, then the listed files (by name)
+        that are missing (or not a regular file), of another size, or of another sha256 (hashed only when the size
+        matches). Lazy: ``next(problems(), None)`` hashes only up to the first difference."""
+        for entry in self.unlisted:
+            yield f"file {entry}: in OUT but not in {MANIFEST} (not written by expq convert)"
+        for f in sorted(self.listed, key=lambda f: f.name):
+            path = self.root / f.name
+            st = io_files.lstat(path)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                yield f"file {f.name}: listed in {MANIFEST} but missing"
+            elif st.st_size != f.size:
+                yield f"file {f.name}: {st.st_size} bytes, {MANIFEST} says {f.size}"
+            elif sha256_file(path, follow_links=False) != f.sha256:
+                yield f"file {f.name}: content changed since expq convert wrote it (sha256 differs from {MANIFEST})"
+
+    def match(self) -> bool:
+        """OUT holds what expq.json records (at least one file besides ``PUSH_WRITES``), byte for byte, and nothing
+        it may not hold."""
+        return bool(self.listed) and next(self.problems(), None) is None
+
+    def not_carried(self) -> list[str]:
+        """The added documentation a rebuild would delete: all of it but ``PUSH_WRITES`` (which it carries)."""
+        return [a for a in self.added if a not in PUSH_WRITES]
+
+
+def files_against_manifest(out: str | Path, manifest: Manifest) -> OutFiles:
+    """The one rule for which files OUT holds, shared by ``verify`` and a re-run of ``convert``: ``expq.json``, the
+    files it lists, ``PUSH_WRITES`` (the model card a push writes, listed or not, there or not, its bytes not
+    compared) and documentation a user added (``DOCUMENTATION``), each a regular file; anything else (a file, a
+    link, a special file, a folder holding no file) was not written by expq convert. Nothing under OUT is followed
+    through a link.
+
+    Args:
+        out: the checkpoint folder. manifest: its expq.json.
+
+    Returns:
+        OutFiles (hashes are computed only as ``problems`` is iterated).
+    """
+    root = Path(out)
+    names = {f.name for f in manifest.files}
+    entries = list(io_files.walk(root))
+    regular = {rel for rel, st in entries if stat.S_ISREG(st.st_mode)}
+    odd = [f"{rel} (a symbolic link)" if stat.S_ISLNK(st.st_mode) else f"{rel} (not a regular file)"
+           for rel, st in entries if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))]
+    empty = [f"{rel}/" for rel, st in entries
+             if stat.S_ISDIR(st.st_mode) and not any(f.startswith(rel + "/") for f in regular)]
+    extra = regular - {MANIFEST} - names
+    added = {rel for rel in extra if DOCUMENTATION.search(rel)}
+    unlisted = sorted(extra - added - set(PUSH_WRITES)) + sorted(odd) + sorted(empty)
+    listed = tuple(f for f in manifest.files if f.name not in PUSH_WRITES)
+    return OutFiles(root, listed, tuple(unlisted), tuple(sorted(added)))
 
 
 def _decoded(plan) -> DecodedRecord | None:

@@ -62,7 +62,8 @@ from .interrupts import STOP
 from .io import files
 from .io.hashing import sha256_file as _sha256_any
 from .io.safetensors import encode_header
-from .manifest import MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, Manifest, manifest_intact
+from .manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest,
+                       manifest_intact)
 from .plan import OutTensor, Plan
 from .source import read_config
 
@@ -198,6 +199,8 @@ class OutputDir:
         self.warnings: list[str] = []  # what went wrong after the commit (the new checkpoint is in place)
         self.kept: dict[str, dict] = {}
         self._journal: dict = {}
+        self.existing: ManifestFile | None = None  # OUT's expq.json, read once by _check_out (None: none, or not expq's)
+        self.out_files: OutFiles | None = None  # OUT's files against it (None: it lists none)
         try:
             files.refuse_link(self.staging, "the staging folder", _STAGING_HINT)
             for p in (self.journal_path, self.journal_tmp):
@@ -215,10 +218,11 @@ class OutputDir:
 
         Raises:
             UsageError: a partial run with other settings waits (without ``overwrite``); the staging folder holds
-                files expq did not write, or a link; OUT must be replaced and its filesystem cannot swap two
-                folders atomically.
+                files expq did not write, or a link; OUT must be replaced and holds documentation a user added (it
+                would be deleted), or its filesystem cannot swap two folders atomically.
         """
         try:
+            self._refuse_foreign(self.out_files.not_carried() if self.out_files is not None else [])
             self.kept = self._start()
         except BaseException:
             self.release()
@@ -263,52 +267,37 @@ class OutputDir:
         if MANIFEST not in entries:
             raise UsageError("OUT is not empty and was not written by expq convert (no expq.json); refusing to "
                              "delete its contents", file=str(self.out))
-        foreign = self._foreign_entries()
-        if foreign:
-            raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
-                             "replace it, which would delete them: move them out of OUT first", file=str(self.out))
-        old = _manifest_fingerprint(self.out)
+        with contextlib.suppress(ExpqError):
+            self.existing = ManifestFile.read(self.out)
+        old = self.existing.record.settings if self.existing is not None else None
+        if self.existing is not None and self.existing.record.files:
+            self.out_files = files_against_manifest(self.out, self.existing.record)
+            # documentation a user added stays through a run with nothing to do; other settings mean a rebuild
+            self._refuse_foreign(list(self.out_files.unlisted) +
+                                 (self.out_files.not_carried() if old != self.fingerprint else []))
         if old != self.fingerprint and not self.overwrite:
             raise UsageError(f"OUT holds an expq conversion with other settings ({_differences(old, self.fingerprint)})"
                              "; pass --overwrite to replace it", file=str(self.out))
 
-    def _present(self) -> set[str]:
-        return set(files.regular_files(self.out)) - {MANIFEST}
-
-    def _foreign_entries(self) -> list[str]:
-        """What an expq OUT holds that its expq.json does not list (the model card a push writes excepted): files,
-        links and special files (shown with what they are), and folders holding no file (shown ending in ``/``)."""
-        try:
-            listed = {f.name for f in Manifest.load(self.out).files}
-        except ExpqError:
-            return []
-        if not listed:
-            return []
-        entries = list(files.walk(self.out))
-        odd = [f"{rel} (a symbolic link)" if stat.S_ISLNK(st.st_mode) else f"{rel} (not a regular file)"
-               for rel, st in entries if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))]
-        regular = {rel for rel, st in entries if stat.S_ISREG(st.st_mode)}
-        empty = [f"{rel}/" for rel, st in entries
-                 if stat.S_ISDIR(st.st_mode) and not any(f.startswith(rel + "/") for f in regular)]
-        return sorted(regular - {MANIFEST} - listed - set(PUSH_WRITES)) + sorted(odd) + sorted(empty)
+    def _refuse_foreign(self, foreign: list[str]) -> None:
+        """Refuse to replace an OUT holding ``foreign`` entries (what expq did not write), which would delete them."""
+        if foreign:
+            raise UsageError(f"OUT holds {len(foreign)} file(s) expq did not write (e.g. {foreign[0]}); refusing to "
+                             "replace it, which would delete them: move them out of OUT first", file=str(self.out))
 
     def up_to_date(self) -> bool:
         """Whether OUT already holds exactly this conversion: same settings, and every file the manifest lists is
-        there with its size and sha256 (content checked, not names), and nothing else. The model card a push
-        writes (``PUSH_WRITES``) is not compared: it is kept."""
-        if _manifest_fingerprint(self.out) != self.fingerprint:
+        there with its size and sha256 (content checked, not names), and nothing else
+        (``manifest.files_against_manifest``: the model card a push writes is not compared, it is kept)."""
+        m = self.existing
+        if m is None or m.record.settings != self.fingerprint or self.out_files is None:
             return False
         try:
-            m = Manifest.load(self.out)
-            if manifest_intact(self.out, read_config(self.out)) is not None:  # expq.json edited: write it anew
+            if manifest_intact(m, read_config(self.out)) is not None:  # expq.json edited: write it anew
                 return False
         except ExpqError:
             return False
-        listed = {f.name: f for f in m.files if f.name not in PUSH_WRITES}
-        if not listed or self._present() - set(PUSH_WRITES) != set(listed):
-            return False
-        return all(os.lstat(self.out / n).st_size == f.size and sha256_file(self.out / n) == f.sha256
-                   for n, f in listed.items())
+        return self.out_files.match()
 
     def _start(self) -> dict[str, dict]:
         """Resume a partial run with the same settings (keeping files whose content matches the journal), or start
@@ -526,10 +515,7 @@ class OutputDir:
         """Copy into the staging folder the model card files of OUT (``PUSH_WRITES``) that are not the bytes the old
         conversion recorded (a push or a user wrote them), with their mode and times: the new checkpoint keeps
         them. A copy, so OUT keeps its own until the exchange."""
-        try:
-            recorded = {f.name: f.sha256 for f in Manifest.load(self.out).files}
-        except ExpqError:
-            recorded = {}
+        recorded = {f.name: f.sha256 for f in self.existing.record.files} if self.existing is not None else {}
         for rel in PUSH_WRITES:
             st = files.lstat(self.out / rel)
             if st is None or not stat.S_ISREG(st.st_mode) or recorded.get(rel) == sha256_file(self.out / rel):
@@ -657,13 +643,6 @@ def _check_location(out: Path, src_root: Path | None, given) -> None:
         s, o = src_root.resolve(), out.resolve()
         if o == s or s in o.parents or o in s.parents:
             raise UsageError("OUT overlaps the source directory; the source is never modified", file=str(given))
-
-
-def _manifest_fingerprint(out: Path) -> dict | None:
-    try:
-        return Manifest.load(out).settings if (out / MANIFEST).is_file() else None
-    except ExpqError:
-        return None
 
 
 def _differences(old: dict | None, new: dict) -> str:

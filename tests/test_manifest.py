@@ -74,3 +74,58 @@ def test_verify_exit_status_is_on_the_report(outputs, tmp_path):
     assert not rep.ok and rep.exit_code == 1
     r = CliRunner().invoke(app, ["verify", str(bad), "--device", "cpu", "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout)["ok"] is False
+
+
+def _count_manifest_reads(monkeypatch, out) -> dict[str, int]:
+    """Count, while a command runs, the reads of OUT's expq.json: calls of ``ManifestFile.read`` (the one reader),
+    and every open of the file itself, by ``os.open`` or Python's ``open`` (so a reader that went around it would
+    show too)."""
+    import builtins
+    import io
+    import os
+    from pathlib import Path
+
+    from expq.manifest import ManifestFile
+
+    target = (Path(out) / "expq.json").absolute()
+    counts = {"ManifestFile.read": 0, "opens": 0}
+    real_read, real_os_open, real_open = ManifestFile.read.__func__, os.open, io.open
+
+    def is_target(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and Path(os.fsdecode(path)).absolute() == target
+
+    def read(cls, root):
+        counts["ManifestFile.read"] += (Path(root).absolute() / "expq.json") == target
+        return real_read(cls, root)
+
+    def os_open(path, *a, **kw):
+        counts["opens"] += is_target(path)
+        return real_os_open(path, *a, **kw)
+
+    def py_open(file, *a, **kw):
+        counts["opens"] += is_target(file)
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(ManifestFile, "read", classmethod(read))
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(io, "open", py_open)
+    monkeypatch.setattr(builtins, "open", py_open)
+    return counts
+
+
+def test_expq_json_is_read_once_per_command(outputs, tmp_path, monkeypatch):
+    """A re-run of convert with nothing to do, and a verify, each read OUT's expq.json once; the report of the
+    re-run still carries what it recorded."""
+    src, out = outputs("mixtral")
+    mine = tmp_path / "out"
+    shutil.copytree(out, mine)
+    counts = _count_manifest_reads(monkeypatch, mine)
+    rep = expq.convert(src, mine, device="cpu", max_shard_size="40KB")
+    assert rep.up_to_date and counts == {"ManifestFile.read": 1, "opens": 1}, counts
+    assert (rep.zero_rows, rep.shards) == (Manifest.load(out).rows.zero, Manifest.load(out).plan.output_shards)
+    counts.update({"ManifestFile.read": 0, "opens": 0})
+    assert expq.verify(mine, device="cpu", tokens=4).ok
+    assert counts == {"ManifestFile.read": 1, "opens": 1}, counts
+    counts.update({"ManifestFile.read": 0, "opens": 0})
+    Manifest.load(mine)  # the counting itself sees a read (negative control)
+    assert counts == {"ManifestFile.read": 1, "opens": 1}, counts
