@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from expq import cpu_kernels, scheme, writer  # noqa: E402
+from expq import cpu_kernels, scheme  # noqa: E402
+from expq.output import outdir as writer  # noqa: E402
 from expq.decoders import LogicalTensor  # noqa: E402
 from expq.decoders.fp8_block import Fp8BlockDecoder  # noqa: E402
 from expq.decoders.mxfp4 import dequantize  # noqa: E402

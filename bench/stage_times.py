@@ -27,7 +27,7 @@ T_TORCH = time.perf_counter() - T0
 import expq.api  # noqa: E402
 import expq.formats.compressed_tensors as ct  # noqa: E402
 import expq.pipeline as pipeline  # noqa: E402
-import expq.writer as writer  # noqa: E402
+import expq.output.outdir as writer  # noqa: E402
 
 T_IMPORT = time.perf_counter() - T0
 ACC: collections.Counter = collections.Counter()

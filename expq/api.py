@@ -20,7 +20,7 @@ from .pipeline import run_plan
 from .plan import DEFAULT_FORMAT, Plan, make_plan
 from .source import resolve_source
 from .hub.stream import streamed
-from .writer import OutputDir, ShardSet, check_out_location
+from .output.outdir import OutputDir, ShardSet, check_out_location
 
 __all__ = ["ConvertReport", "convert", "inspect"]
 

@@ -53,7 +53,7 @@ from .plan import JobKind, Plan
 from .options import is_repo_id
 from .source import local_identity, resolve_source
 from .version import __version__
-from .writer import OutputDir, placeholder_shard
+from .output.outdir import OutputDir, placeholder_shard
 
 MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
 FAULT_ENV = "EXPQ_RAY_FAULT"
@@ -143,7 +143,7 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
     """
     from .devices import parse_devices, warm_up
     from .pipeline import run_plan
-    from .writer import ShardFolder, ShardSet
+    from .output.outdir import ShardFolder, ShardSet
 
     devices = parse_devices(device)
     warm_up(devices)

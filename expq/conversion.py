@@ -23,7 +23,7 @@ from .pipeline import RunStats
 from .plan import Plan, make_plan
 from .source import Source, local_identity
 from .version import __version__
-from .writer import OutputDir, config_json
+from .output.outdir import OutputDir, config_json
 
 
 @dataclass

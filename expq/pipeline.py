@@ -39,7 +39,7 @@ from .interrupts import StopSignal
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, map_tensor, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan
 from .scheme import matrix_scales, quantize_matrix
-from .writer import OutputError, ShardSet
+from .output.outdir import OutputError, ShardSet
 
 MAX_LISTED_ROWS = 20
 PIPELINE_BYTES = 1 << 30

@@ -18,7 +18,7 @@ import pytest
 from helpers import example, tree_digest
 
 import expq
-from expq import writer
+from expq.output import outdir as writer
 
 STRACE = shutil.which("strace")
 CARD = "---\nlicense: apache-2.0\n---\n# the model card `expq push` wrote\n"

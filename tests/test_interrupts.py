@@ -12,7 +12,7 @@ import pytest
 from expq.errors import (ClusterError, HubAuthError, HubError, HubOfflineError, Interrupted, LayoutError,
                          NonFiniteError, SourceError, UsageError, resumable)
 from expq.interrupts import STOP, stop_on_signals
-from expq.writer import OutputError
+from expq.output.outdir import OutputError
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

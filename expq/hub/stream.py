@@ -34,7 +34,7 @@ from ..interrupts import STOP
 from ..io import files
 from ..options import is_repo_id
 from ..source import RemoteShards, Source, open_source
-from ..writer import OutputError
+from ..output.outdir import OutputError
 from .download import StreamListing, fetch_listing, read_remote_header
 from .errors import translate
 

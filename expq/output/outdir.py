@@ -57,15 +57,15 @@ from typing import Callable
 
 import torch
 
-from .errors import ExpqError, UsageError
-from .interrupts import STOP
-from .io import files
-from .io.hashing import sha256_file as _sha256_any
-from .io.safetensors import encode_header
-from .manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest,
+from ..errors import ExpqError, UsageError
+from ..interrupts import STOP
+from ..io import files
+from ..io.hashing import sha256_file as _sha256_any
+from ..io.safetensors import encode_header
+from ..manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest,
                        manifest_intact)
-from .plan import OutTensor, Plan
-from .source import read_config
+from ..plan import OutTensor, Plan
+from ..source import read_config
 
 PARTIAL = ".expq-partial"
 JOURNAL = ".expq-journal.json"
@@ -447,8 +447,8 @@ class OutputDir:
             SourceError: ``src`` is not a regular file or cannot be read, naming it. OutputError: the copy cannot
                 be written, naming it.
         """
-        from .errors import SourceError
-        from .io.regular import copy_regular
+        from ..errors import SourceError
+        from ..io.regular import copy_regular
 
         dst = self.path(name)
         with naming(dst, "cannot flush to disk"):
