@@ -5,7 +5,7 @@ decode and the shard hash's read back, each on one thread, best of ``--repeat``.
 
 Inputs: a Mixtral-8x7B expert matrix (14336 x 4096) in bf16, fp16 and fp32 (values 0.02 N(0, 1)); its FP8 E4M3 twin
 with 128x128 block scales; a GPT-OSS-120B expert's MXFP4 gate_up blocks (5760 x 90 x 16 bytes); a 1 GiB file
-hashed by the writer's ``_ShardHash`` (read back from the page cache). Figures: ns per element (scheme, FP8), MB/s
+hashed by ``output.shards._ShardHash`` (read back from the page cache). Figures: ns per element (scheme, FP8), MB/s
 of stored blocks (MXFP4), GB/s (hash). On a shared machine the best of the repeats is the machine's own speed; the
 load average is printed with them.
 """
@@ -24,11 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from expq import cpu_kernels, scheme, writer  # noqa: E402
+from expq import cpu_kernels, scheme  # noqa: E402
 from expq.decoders import LogicalTensor  # noqa: E402
 from expq.decoders.fp8_block import Fp8BlockDecoder  # noqa: E402
 from expq.decoders.mxfp4 import dequantize  # noqa: E402
 from expq.io.safetensors import TensorInfo  # noqa: E402
+from expq.output import shards  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:
@@ -75,9 +76,9 @@ def main() -> None:
         size = 1 << 30
 
         def hash_back() -> None:
-            hs = writer._ShardHash(f.fileno(), b"", size, writeback=False)
-            hs.ready = [(0, size)]
-            hs.advance()
+            hs = shards._ShardHash(f.fileno(), b"", size, writeback=False)
+            hs.ready = [(0, size, 0, None)]  # (start, end, arrival, bytes): all of it to read back
+            hs.advance(lambda nbytes: None)
 
         res["shard hash read back GB/s"] = size / best(hash_back, max(1, a.repeat // 2)) / 1e9
     res["load_after"] = os.getloadavg()[0]

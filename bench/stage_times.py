@@ -27,7 +27,7 @@ T_TORCH = time.perf_counter() - T0
 import expq.api  # noqa: E402
 import expq.formats.compressed_tensors as ct  # noqa: E402
 import expq.pipeline as pipeline  # noqa: E402
-import expq.writer as writer  # noqa: E402
+import expq.output.shards as shards  # noqa: E402
 
 T_IMPORT = time.perf_counter() - T0
 ACC: collections.Counter = collections.Counter()
@@ -64,9 +64,9 @@ def main() -> None:
     timed(ct, "pack_codes", "pack")
     timed(pipeline._DevicePipeline, "_to_host", "copy back to host")
     timed(pipeline, "copy_bytes", "passthrough copy")
-    timed(writer.ShardSet, "write", "positional write")
-    timed(writer._ShardHash, "advance", "hash (read back + sha256)")
-    timed(writer.os, "fsync", "fsync")
+    timed(shards.ShardSet, "write", "positional write")
+    timed(shards._ShardHash, "advance", "hash (read back + sha256)")
+    timed(shards.os, "fsync", "fsync")
     print(f"start-up: import torch {T_TORCH:.2f} s, expq {T_IMPORT - T_TORCH:.2f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     for i in range(args.repeat):

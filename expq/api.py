@@ -1,4 +1,4 @@
-"""The public entry points ``convert`` and ``inspect``: source -> plan -> pipeline -> writer (``--ray``: the
+"""The public entry points ``convert`` and ``inspect``: source -> plan -> pipeline -> output (``--ray``: the
 same steps from a Ray driver, ``cluster.convert_on_ray``)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .pipeline import run_plan
 from .plan import DEFAULT_FORMAT, Plan, make_plan
 from .source import resolve_source
 from .hub.stream import streamed
-from .writer import OutputDir, ShardSet, check_out_location
+from .output.outdir import OutputDir, check_out_location
+from .output.shards import ShardSet
 
 __all__ = ["ConvertReport", "convert", "inspect"]
 

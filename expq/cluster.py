@@ -16,7 +16,7 @@ last MiB of each local shard) is read by a task. Then:
    upload's ``CommitOperationAdd``, its content freed).
 3. **Record and commit** (the driver): each result goes into OUT's journal as it arrives (a re-run keeps those
    shards and runs only the tasks of the missing ones); then config, index, side files and ``expq.json``, and the one
-   commit point of ``writer.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
+   commit point of ``output.outdir.OutputDir``. With ``--to-hub``: the same small files (beside sparse stand-ins of the
    shards, for the model card), the repo's README (``hub.card.model_card``), one commit with every file, then a check
    of every remote size and hash (``hub.publish``).
 
@@ -53,7 +53,8 @@ from .plan import JobKind, Plan
 from .options import is_repo_id
 from .source import local_identity, resolve_source
 from .version import __version__
-from .writer import OutputDir, placeholder_shard
+from .output.outdir import OutputDir
+from .output.shards import placeholder_shard
 
 MAX_RETRIES = 3  # times a task is retried after its worker died or a transient error
 FAULT_ENV = "EXPQ_RAY_FAULT"
@@ -132,7 +133,7 @@ def task_groups(plan: Plan, skip: set[int] = frozenset()) -> list[TaskGroup]:
 def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "cpu", allow_nonfinite: bool = False,
                  fsync: bool = True, feeder=None, on_progress: Callable[[int, int], None] | None = None
                  ) -> tuple[list[ShardResult], dict[int, dict]]:
-    """The normal conversion (``pipeline.run_plan`` into a ``writer.ShardSet``) of output shards ``shards`` of
+    """The normal conversion (``pipeline.run_plan`` into an ``output.shards.ShardSet``) of output shards ``shards`` of
     ``plan`` only, into ``folder``: what one task does.
 
     Returns:
@@ -143,7 +144,7 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
     """
     from .devices import parse_devices, warm_up
     from .pipeline import run_plan
-    from .writer import ShardFolder, ShardSet
+    from .output.shards import ShardFolder, ShardSet
 
     devices = parse_devices(device)
     warm_up(devices)
@@ -475,10 +476,10 @@ class _RayRun:
             return self._report(outdir, outdir.existing.record, t0, up_to_date=True)
         outdir.start()
         self.findings = dict(outdir.done_jobs)
-        self.finished = len(outdir.kept)
-        kept = {k for k, n in enumerate(plan.shard_names) if n in outdir.kept}
+        self.finished = len(outdir.kept_files)
+        finished_shards = {k for k, n in enumerate(plan.shard_names) if n in outdir.finished_files}
         try:
-            self._run(task_groups(plan, skip=kept), dest=outdir.staging, upload=None,
+            self._run(task_groups(plan, skip=finished_shards), dest=outdir.staging, upload=None,
                       on_shard=lambda r, findings: outdir.record(r.name, jobs=findings, sha256=r.sha256))
             man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
                                    self.settings, self.command)

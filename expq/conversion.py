@@ -23,7 +23,8 @@ from .pipeline import RunStats
 from .plan import Plan, make_plan
 from .source import Source, local_identity
 from .version import __version__
-from .writer import OutputDir, config_json
+from .output.outdir import OutputDir
+from .output.shards import config_json
 
 
 @dataclass
@@ -186,7 +187,7 @@ def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, sec
         bytes_out=plan.bytes_out, seconds=round(seconds, 3), devices=[str(d) for d in devices],
         zero_rows=findings.zero, underflow_rows=findings.underflow, nonfinite_rows=findings.nonfinite,
         underflow_examples=list(findings.underflow_examples), nonfinite_examples=list(findings.nonfinite_examples),
-        up_to_date=up_to_date, shards_resumed=len(outdir.kept), stream_peak_bytes=stream_peak_bytes,
+        up_to_date=up_to_date, shards_resumed=len(outdir.kept_files), stream_peak_bytes=stream_peak_bytes,
         warnings=list(outdir.warnings))
 
 

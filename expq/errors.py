@@ -107,6 +107,13 @@ class SourceError(ExpqError):
     """The source checkpoint is missing, unreadable, truncated or inconsistent."""
 
 
+class OutputError(ExpqError):
+    """Writing the output failed (disk full, permissions...); names the file and tensor. Resumable: the shards
+    finished before it are kept."""
+
+    resumable = True
+
+
 class LayoutError(ExpqError):
     """The architecture is unknown, or its tensors do not match what its layout says."""
 

@@ -34,12 +34,12 @@ from typing import Callable, Protocol
 import torch
 
 from . import cpu_kernels, parallel
-from .errors import NonFiniteError
+from .errors import NonFiniteError, OutputError
 from .interrupts import StopSignal
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, map_tensor, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan
 from .scheme import matrix_scales, quantize_matrix
-from .writer import OutputError, ShardSet
+from .output.shards import ShardSet
 
 MAX_LISTED_ROWS = 20
 PIPELINE_BYTES = 1 << 30

@@ -42,7 +42,7 @@ from .errors import ExpqError, HubError, LayoutError, UnreadableInputError, Usag
 from .kernels import select_backend
 from .options import check_verify
 from .plan import JobKind, Plan
-from .writer import reading
+from .output.outdir import reading
 
 @dataclass
 class VerifyReport:

@@ -18,7 +18,7 @@ import pytest
 from helpers import example, tree_digest
 
 import expq
-from expq import writer
+from expq.output import faults
 
 STRACE = shutil.which("strace")
 CARD = "---\nlicense: apache-2.0\n---\n# the model card `expq push` wrote\n"
@@ -186,16 +186,16 @@ def test_an_empty_folder_a_user_made_in_out_is_refused_never_deleted(reference, 
 # --- a kill at every step of a commit that replaces OUT --------------------------------------------------------------
 def fsync_points(src, old_dir, tmp_path) -> int:
     """How many fsync points a conversion of ``src`` replacing ``old_dir`` (with a card) passes, counted in this
-    process through the writer's fault seam (a rule set past the last one never fires)."""
+    process through the fault seam (``expq.output.faults``) (a rule set past the last one never fires)."""
     out = tmp_path / "count" / "out"
     shutil.copytree(old_dir, out)
     (out / "README.md").write_text(CARD)
-    saved, writer._faults = writer._faults, writer._Faults("fsync:1000000:kill")
+    saved, faults.active = faults.active, faults.Faults("fsync:1000000:kill")
     try:
         expq.convert(src, out, device="cpu", overwrite=True)
-        return writer._faults.count["fsync"]
+        return faults.active.count["fsync"]
     finally:
-        writer._faults = saved
+        faults.active = saved
         shutil.rmtree(out.parent)
 
 

@@ -272,7 +272,8 @@ def test_several_workers_write_the_same_bytes(tmp_path, tmp_path_factory, conver
     from expq.pipeline import run_plan
     from expq.plan import make_plan
     from expq.source import open_source
-    from expq.writer import OutputDir, ShardSet
+    from expq.output.outdir import OutputDir
+    from expq.output.shards import ShardSet
 
     plan = make_plan(open_source(src), max_shard_size=SHARD)
     outdir = OutputDir(two, fingerprint={"test": "two workers"}, src_root=src)
@@ -292,7 +293,8 @@ def test_pipeline_memory_is_bounded_by_its_budget(tmp_path, converted, monkeypat
     from expq import pipeline
     from expq.plan import JobKind, make_plan
     from expq.source import open_source
-    from expq.writer import OutputDir, ShardSet
+    from expq.output.outdir import OutputDir
+    from expq.output.shards import ShardSet
 
     src, out, _ = converted("mixtral")
     plan = make_plan(open_source(src), max_shard_size=SHARD)

@@ -10,9 +10,8 @@ import threading
 import pytest
 
 from expq.errors import (ClusterError, HubAuthError, HubError, HubOfflineError, Interrupted, LayoutError,
-                         NonFiniteError, SourceError, UsageError, resumable)
+                         NonFiniteError, OutputError, SourceError, UsageError, resumable)
 from expq.interrupts import STOP, stop_on_signals
-from expq.writer import OutputError
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

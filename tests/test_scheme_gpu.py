@@ -58,7 +58,8 @@ def test_convert_on_gpu_equals_cpu(family, tmp_path, tmp_path_factory):
     from expq.pipeline import run_plan
     from expq.plan import make_plan
     from expq.source import open_source
-    from expq.writer import OutputDir, ShardSet
+    from expq.output.outdir import OutputDir
+    from expq.output.shards import ShardSet
 
     for devs in ([torch.device("cuda:0"), torch.device("cpu")], [torch.device("cuda:0")] * 2):
         plan = make_plan(open_source(src), max_shard_size="40KB")  # mixed devices; two pipelines on one GPU

@@ -16,7 +16,7 @@ import pytest
 from helpers import example, tree_digest
 
 import expq
-from expq.writer import reading
+from expq.output.outdir import reading
 
 
 def start(*args, fault=None) -> subprocess.Popen:

@@ -24,7 +24,7 @@ from ..io import files
 from ..io.hashing import git_blob_id, sha256_file
 from ..options import check_repo_id
 from ..version import __version__
-from ..writer import reading
+from ..output.outdir import reading
 from .card import card_warnings, model_card, publishing_warnings
 from .errors import translated
 

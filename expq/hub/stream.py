@@ -29,12 +29,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import ExpqError, HubError, UsageError
+from ..errors import ExpqError, HubError, OutputError, UsageError
 from ..interrupts import STOP
 from ..io import files
 from ..options import is_repo_id
 from ..source import RemoteShards, Source, open_source
-from ..writer import OutputError
 from .download import StreamListing, fetch_listing, read_remote_header
 from .errors import translate
 

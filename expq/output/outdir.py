@@ -1,5 +1,5 @@
-"""Laying down the output: a staging folder beside OUT, a journal that makes a killed run resumable, positional
-shard writes, and one commit point.
+"""OUT and what expq keeps beside it: a staging folder, a journal that makes a killed run resumable, a lock, and
+one commit point.
 
 * **Names beside OUT.** ``.<OUT>.expq-partial/`` (staging), ``.<OUT>.expq-journal.json`` (and its ``.tmp``) and
   ``.<OUT>.expq-lock``, in OUT's parent. None is ever followed when it is a symbolic link: it is refused, naming it
@@ -25,98 +25,34 @@ shard writes, and one commit point.
 * **Interrupts.** ``STOP`` is set by convert's signal handlers; workers finish the tensor in hand and stop; files not
   finished are removed; the journal stays consistent.
 
-Shards are written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive
-in any order from any device and no output shard is ever held in memory. A hasher thread computes each shard's
-sha256 as it fills (following the contiguous written prefix: from memory when a tensor lands there, else read back
-from the page cache), starts the disk writing the hashed ranges (``sync_file_range``), and once the shard's last
-tensor is written and its fsync (run at once, in its own thread) has returned, records it in the journal.
-
-Fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into a
-shard), ``rename`` (the commit's rename or exchange) or ``fsync`` (any file or folder flushed) of this process
-fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or ``stall`` it there until
-interrupted.
+The output shards themselves are written by ``shards.ShardSet``, which records each finished one here
+(``OutputDir.record``). Every flush and the commit's rename pass the ``EXPQ_FAULT`` seam (``faults``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import hashlib
-import heapq
 import json
 import os
-import queue
-import signal
 import stat
 import threading
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Callable
 
-import torch
-
-from .errors import ExpqError, UsageError
-from .interrupts import STOP
-from .io import files
-from .io.hashing import sha256_file as _sha256_any
-from .io.safetensors import encode_header
-from .manifest import (MANIFEST, MANIFEST_SHA256_KEY, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest,
-                       manifest_intact)
-from .plan import OutTensor, Plan
-from .source import read_config
+from ..errors import ExpqError, OutputError, UsageError
+from ..interrupts import STOP
+from ..io import files
+from ..io.hashing import sha256_file
+from ..manifest import MANIFEST, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest, manifest_intact
+from ..source import read_config
+from . import faults
 
 PARTIAL = ".expq-partial"
 JOURNAL = ".expq-journal.json"
 LOCK = ".expq-lock"
-FAULT_ENV = "EXPQ_FAULT"
-def sha256_file(path: Path) -> str:
-    """The sha256 of a file in OUT or its staging folder, never read through a link (``io.hashing``)."""
-    return _sha256_any(path, follow_links=False)
-
 
 _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC  # an output file, never via a link
-
-
-class OutputError(ExpqError):
-    """Writing the output failed (disk full, permissions...); names the file and tensor. Resumable: the shards
-    finished before it are kept."""
-
-    resumable = True
-
-
-class _Faults:
-    """The ``EXPQ_FAULT`` seam: counts writes, renames and fsyncs and fails the one it names."""
-
-    def __init__(self, spec: str):
-        self.rules: dict[str, tuple[int, str]] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            point, n, action = part.split(":")
-            self.rules[point] = (int(n), action)
-        self.count: Counter = Counter()
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        if point not in self.rules:
-            return
-        with self.lock:
-            self.count[point] += 1
-            n = self.count[point]
-        at, action = self.rules[point]
-        if n != at:
-            return
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if action == "stall":  # hold everything as it is until the run is interrupted
-            while not STOP.wait(0.05):
-                pass
-            return
-        code = errno.ENOSPC if action == "enospc" else errno.EIO
-        raise OSError(code, os.strerror(code))
-
-
-_faults = _Faults(os.environ.get(FAULT_ENV, ""))
 
 
 def fsync_path(path: Path) -> None:
@@ -126,7 +62,7 @@ def fsync_path(path: Path) -> None:
         OutputError: the flush failed (EIO, ENOSPC...), naming ``path``.
     """
     with naming(path, "cannot flush to disk"):
-        _faults.hit("fsync")
+        faults.hit("fsync")
         files.fsync_path(path)
 
 
@@ -197,7 +133,7 @@ class OutputDir:
                              "and partial output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
         self.warnings: list[str] = []  # what went wrong after the commit (the new checkpoint is in place)
-        self.kept: dict[str, dict] = {}
+        self.kept_files: dict[str, dict] = {}  # a resumed run's finished files: name -> {size, sha256}
         self._journal: dict = {}
         self.existing: ManifestFile | None = None  # OUT's expq.json, read once by _check_out (None: none, or not expq's)
         self.out_files: OutFiles | None = None  # OUT's files against it (None: it lists none)
@@ -213,7 +149,7 @@ class OutputDir:
             raise
 
     def start(self) -> None:
-        """Begin writing: resume a partial run with the same settings (``kept``: the files whose content still
+        """Begin writing: resume a partial run with the same settings (``kept_files``: the files whose content still
         matches the journal) or start afresh.
 
         Raises:
@@ -223,7 +159,7 @@ class OutputDir:
         """
         try:
             self._refuse_foreign(self.out_files.not_carried() if self.out_files is not None else [])
-            self.kept = self._start()
+            self.kept_files = self._start()
         except BaseException:
             self.release()
             raise
@@ -337,16 +273,16 @@ class OutputDir:
             raise files.LinkRefused(f"the staging folder holds {odd[0]}, which expq did not make (a link or a "
                                     "special file); expq never writes or deletes through a link",
                                     file=str(self.staging), hint=_STAGING_HINT)
-        kept = {}
+        kept_files = {}
         for rel in files.regular_files(self.staging):
             rec = j["files"].get(rel)
             p = self.staging / rel
-            if rec and os.lstat(p).st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
-                kept[rel] = rec
+            if rec and os.lstat(p).st_size == rec["size"] and sha256_file(p, follow_links=False) == rec["sha256"]:
+                kept_files[rel] = rec
             else:
                 files.remove_file(p)  # unfinished, or changed since: redone
-        self._write_journal(j, files=kept)
-        return kept
+        self._write_journal(j, files=kept_files)
+        return kept_files
 
     def _check_exchange(self, made: bool) -> None:
         """Replacing a non-empty OUT needs an atomic exchange: refuse, before any work, where the filesystem has
@@ -383,7 +319,7 @@ class OutputDir:
             fd = files.create_replacing_stale(self.journal_tmp, "remove it: expq makes its journal itself")
             try:
                 files.write_all(fd, json.dumps(j).encode())
-                _faults.hit("fsync")
+                faults.hit("fsync")
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -399,7 +335,7 @@ class OutputDir:
         findings of the jobs finished so far (``jobs``: job index -> dict). ``sha256``: the file's hash when the
         caller computed it as it wrote the file (else it is read back here)."""
         p = self.staging / name
-        rec = {"size": os.lstat(p).st_size, "sha256": sha256 or sha256_file(p)}
+        rec = {"size": os.lstat(p).st_size, "sha256": sha256 or sha256_file(p, follow_links=False)}
         with self._journal_lock:
             j = self._journal
             merged = {**j.get("jobs", {}), **{str(k): v for k, v in (jobs or {}).items()}}
@@ -411,9 +347,14 @@ class OutputDir:
         return rec["sha256"] if rec else None
 
     @property
+    def finished_files(self) -> frozenset[str]:
+        """The names of ``kept_files``: output files a resumed run does not write again (``shards.ShardSet``)."""
+        return frozenset(self.kept_files)
+
+    @property
     def done_jobs(self) -> dict[int, dict]:
         """Row findings of quantize jobs a resumed run finished (from the journal)."""
-        return {int(k): v for k, v in self._journal.get("jobs", {}).items()} if self.kept else {}
+        return {int(k): v for k, v in self._journal.get("jobs", {}).items()} if self.kept_files else {}
 
     # --- files -----------------------------------------------------------------------------------------------------
     def path(self, name: str) -> Path:
@@ -436,7 +377,7 @@ class OutputDir:
             with os.fdopen(os.open(path, _O_NEW, 0o644), "w") as f:
                 f.write(text)
                 f.flush()
-                _faults.hit("fsync")
+                faults.hit("fsync")
                 os.fsync(f.fileno())
 
     def copy_file(self, src: Path, name: str) -> None:
@@ -447,12 +388,12 @@ class OutputDir:
             SourceError: ``src`` is not a regular file or cannot be read, naming it. OutputError: the copy cannot
                 be written, naming it.
         """
-        from .errors import SourceError
-        from .io.regular import copy_regular
+        from ..errors import SourceError
+        from ..io.regular import copy_regular
 
         dst = self.path(name)
         with naming(dst, "cannot flush to disk"):
-            _faults.hit("fsync")
+            faults.hit("fsync")
         copy_regular(src, dst, "side file", SourceError, OutputError)
 
     def staged_files(self) -> list[str]:
@@ -478,7 +419,7 @@ class OutputDir:
         try:
             if replace:
                 self._carry_cards()
-            _faults.hit("rename")
+            faults.hit("rename")
             if replace:
                 if not files.exchange(self.staging, self.out):
                     raise OSError(errno.ENOTSUP, "the filesystem no longer swaps folders atomically")
@@ -518,7 +459,8 @@ class OutputDir:
         recorded = {f.name: f.sha256 for f in self.existing.record.files} if self.existing is not None else {}
         for rel in PUSH_WRITES:
             st = files.lstat(self.out / rel)
-            if st is None or not stat.S_ISREG(st.st_mode) or recorded.get(rel) == sha256_file(self.out / rel):
+            if st is None or not stat.S_ISREG(st.st_mode) \
+                    or recorded.get(rel) == sha256_file(self.out / rel, follow_links=False):
                 continue
             dst = self.path(rel)
             files.remove_file(dst)
@@ -588,56 +530,6 @@ def reading(out: str | Path):
             files.let_go(fd, path)
 
 
-class ShardFolder:
-    """Where one part of a conversion writes its output shards (``--ray``: one task, on any node): the ``OutputDir``
-    seam that ``ShardSet`` uses, without the lock, journal or commit, which stay with the driver's OutputDir.
-
-    Args:
-        folder: where the shard files go (the driver's staging folder on a shared filesystem, or a node-local
-            temporary folder); it must exist, and is never made here: a task still ending after its run failed
-            cannot bring back the staging folder the driver removed.
-        names: the shards this part writes; every other shard of the plan counts as finished elsewhere (``kept``).
-        all_names: every shard name of the plan.
-
-    ``records``: for each shard written and fsync'd, {size, sha256, jobs (row findings so far)}, as the journal
-    would record it.
-
-    Raises:
-        OutputError: ``folder`` is not there.
-    """
-
-    def __init__(self, folder: Path, names: list[str], all_names: list[str]):
-        self.staging = Path(folder)
-        if not self.staging.is_dir():
-            raise OutputError("the folder for these shards is not there (OUT's staging folder: removed after the run "
-                              "failed, or not on a filesystem every node shares)", file=str(folder))
-        self.kept: dict[str, dict] = {n: {} for n in all_names if n not in set(names)}
-        self.records: dict[str, dict] = {}
-        self._lock = threading.Lock()
-
-    def path(self, name: str) -> Path:
-        """Where shard ``name`` goes: the folders inside ``folder`` that its name has are made, ``folder`` never."""
-        for sub in reversed(Path(name).parents[:-1]):
-            (self.staging / sub).mkdir(exist_ok=True)
-        return self.staging / name
-
-    def record(self, name: str, jobs: dict | None = None, sha256: str | None = None) -> None:
-        p = self.staging / name
-        rec = {"size": p.stat().st_size, "sha256": sha256 or sha256_file(p), "jobs": dict(jobs or {})}
-        with self._lock:
-            self.records[name] = rec
-
-
-def placeholder_shard(plan: Plan, k: int, path: Path) -> None:
-    """A sparse stand-in for output shard ``k``: its real header (the plan fixes it) and its real size, no data
-    (``--to-hub``: the driver reads headers and sizes from it, for the model card, and never holds the weights)."""
-    members = [o for o in plan.outputs if o.shard == k]
-    header = encode_header(members)
-    with open(path, "wb") as f:
-        f.write(header)
-        f.truncate(len(header) + plan.shard_sizes[k])
-
-
 def _check_location(out: Path, src_root: Path | None, given) -> None:
     if src_root is not None:
         s, o = src_root.resolve(), out.resolve()
@@ -681,306 +573,3 @@ def _short(v) -> str:
     return t if len(t) <= 60 else t[:57] + "..."
 
 
-def _bytes_of(data) -> memoryview:
-    """The raw bytes of a tensor (any dtype, bfloat16 included) or a bytes-like object."""
-    if isinstance(data, torch.Tensor):
-        t = data.detach().cpu().contiguous()
-        return memoryview(t.view(torch.uint8).numpy() if t.numel() else b"").cast("B")
-    return memoryview(data).cast("B")
-
-
-HASH_CHUNK = 16 << 20  # bytes read back per step by the shard hasher
-HASH_MEMORY = 256 << 20  # written bytes at most kept for the hasher to hash from memory (past that: read back)
-_SYNC_FILE_RANGE_WRITE = 2  # Linux <fcntl.h>: start writeback of dirty pages in the range, do not wait
-
-
-def _libc_sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a range of a file to disk now, without waiting (Linux ``sync_file_range``
-    with ``SYNC_FILE_RANGE_WRITE``; a no-op elsewhere). The shard's final fsync then has little left to wait for:
-    the disk writes while the conversion goes on, where a plain ``write`` + ``fsync`` leaves it all to the end."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-class _ShardHash:
-    """The sha256 of one output shard, computed while it is written: it follows the contiguous written prefix,
-    hashing a tensor from memory when it lands right there and reading the rest back (from the page cache, just
-    written) in large chunks, so that when the last tensor lands only the tail is left to hash."""
-
-    def __init__(self, fd: int, header: bytes, size: int, writeback: bool):
-        self.fd = fd
-        self.h = hashlib.sha256(header)
-        self.pos = len(header)
-        self.size = size  # the whole file: header + data
-        # heap of written (start, end, bytes or None) ranges past ``pos``: with their bytes while the shard's
-        # memory allowance holds them (hashed from memory once ``pos`` gets there), else read back
-        self.ready: list[tuple[int, int, int, memoryview | None]] = []  # (start, end, arrival, bytes)
-        self.arrivals = 0  # orders empty ranges that share a start (never compares the bytes)
-        self.writeback = writeback  # start writing hashed ranges to disk as we go
-        self.synced = False  # the shard's fsync has returned
-
-    def take(self, data: memoryview) -> None:
-        """Hash bytes just written at ``pos`` from memory (no read back)."""
-        self.h.update(data)
-        if self.writeback:
-            start_writeback(self.fd, self.pos, data.nbytes)
-        self.pos += data.nbytes
-
-    def advance(self, release: Callable[[int], None]) -> bool:
-        """Hash what became contiguous; True once the whole file is hashed. Ranges whose bytes are held are hashed
-        from memory (``release(nbytes)`` then gives the allowance back); the rest is read back into one buffer, kept
-        between calls (a fresh 16 MiB object per read costs its page faults, about a sixth of the hash's time)."""
-        while self.ready and self.ready[0][0] <= self.pos:
-            _, end, _, data = heapq.heappop(self.ready)
-            if data is not None:
-                self.take(data)
-                release(data.nbytes)
-                continue
-            while self.pos < end:
-                view = _read_buffer()[: min(HASH_CHUNK, end - self.pos)]
-                n = os.preadv(self.fd, [view], self.pos) if hasattr(os, "preadv") else \
-                    _pread_into(self.fd, view, self.pos)
-                if not n:
-                    raise OSError(errno.EIO, "short read back of a shard being written")
-                self.h.update(view[:n])
-                if self.writeback:
-                    start_writeback(self.fd, self.pos, n)
-                self.pos += n
-        return self.pos >= self.size
-
-
-_hash_buffer = threading.local()
-
-
-def _read_buffer() -> memoryview:
-    """This thread's read-back buffer (``HASH_CHUNK`` bytes)."""
-    buf = getattr(_hash_buffer, "view", None)
-    if buf is None:
-        buf = _hash_buffer.view = memoryview(bytearray(HASH_CHUNK))
-    return buf
-
-
-def _pread_into(fd: int, view: memoryview, pos: int) -> int:
-    data = os.pread(fd, len(view), pos)
-    view[: len(data)] = data
-    return len(data)
-
-
-class ShardSet:
-    """The output shards of a plan, opened on first write and closed once all their tensors are written: the last
-    byte hashed (sha256, computed as the shard fills by a hasher thread), fsync'd, then recorded in the journal.
-
-    ``write`` / ``done`` are thread-safe: pipelines on several devices write their tensors at their planned
-    offsets, in any order (the hash is the same; it is cheapest when a shard is written front to back).
-    Tensors whose value the plan knows (``OutTensor.value``) are written when their shard is opened.
-    """
-
-    def __init__(self, plan: Plan, outdir: OutputDir, fsync: bool = True):
-        self.plan = plan
-        self.outdir = outdir
-        self.fsync = fsync
-        self._members: list[list[OutTensor]] = [[] for _ in plan.shard_names]
-        for o in plan.outputs:
-            self._members[o.shard].append(o)
-        self._fds: dict[int, tuple[int, int]] = {}  # shard -> (fd, data start)
-        self._hashes: dict[int, _ShardHash] = {}
-        self._left = [len(m) for m in self._members]
-        self._lock = threading.Condition()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the hasher (see _hash_loop); None: stop
-        self._held = 0  # bytes of written tensors held for the hasher to hash from memory
-        self._hasher: threading.Thread | None = None
-        self.error: BaseException | None = None  # what stopped the hasher (a failed read back, fsync or journal)
-        self.closed: list[int] = []
-        self.on_close = dict  # returns the row findings of finished jobs, for the journal (run_plan sets it)
-        self.kept = [k for k, n in enumerate(plan.shard_names) if n in outdir.kept]  # finished by an earlier run
-        for k in self.kept:
-            self._left[k] = 0
-            self.closed.append(k)
-
-    def needed(self, outputs: list[OutTensor]) -> bool:
-        """Whether any of these outputs goes into a shard that is not finished yet."""
-        return any(self._left[o.shard] for o in outputs)
-
-    def _open(self, k: int) -> tuple[int, int]:
-        header = encode_header(self._members[k])
-        path = self.outdir.path(self.plan.shard_names[k])
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            os.pwrite(fd, header, 0)
-            os.ftruncate(fd, len(header) + self.plan.shard_sizes[k])
-            for o in self._members[k]:
-                if o.value is not None:
-                    os.pwrite(fd, o.value, len(header) + o.offset)
-        except OSError as e:
-            raise OutputError(f"cannot write: {e.strerror or e}", file=str(path)) from None
-        self._hashes[k] = _ShardHash(fd, header, len(header) + self.plan.shard_sizes[k], writeback=self.fsync)
-        if self._hasher is None:
-            self._hasher = threading.Thread(target=self._hash_loop, name="expq-hasher", daemon=True)
-            self._hasher.start()
-        for o in self._members[k]:
-            if o.value is not None:
-                self._left[k] -= 1
-                self._events.put((k, len(header) + o.offset, len(header) + o.offset + o.nbytes, None))
-        return fd, len(header)
-
-    def target(self, out: OutTensor) -> tuple[int, int] | None:
-        """(fd, absolute offset) where ``out``'s bytes go (opens the shard if needed), or None for a shard an
-        earlier run finished.
-
-        Raises:
-            OutputError: opening the shard failed, or the hasher stopped on an error (re-raised here).
-        """
-        with self._lock:
-            if self.error is not None:
-                raise self.error
-            if out.shard in self.kept:
-                return None
-            if out.shard not in self._fds:
-                self._fds[out.shard] = self._open(out.shard)
-            fd, base = self._fds[out.shard]
-        return fd, base + out.offset
-
-    def write(self, out: OutTensor, data) -> None:
-        """Write ``data`` (a tensor of ``out``'s dtype and shape, or exactly ``out.nbytes`` bytes) at ``out``'s place.
-
-        Raises:
-            OutputError: the write failed (names the shard and tensor).
-        """
-        data = _bytes_of(data)
-        if data.nbytes != out.nbytes:
-            raise RuntimeError(f"internal: {out.name} has {data.nbytes} bytes, planned {out.nbytes}")
-        t = self.target(out)
-        if t is None:
-            return
-        fd, pos = t
-        mv, start = data, pos
-        try:
-            _faults.hit("write")
-            while mv.nbytes:
-                n = os.pwrite(fd, mv, pos)
-                mv, pos = mv[n:], pos + n
-            if self.fsync:  # to disk now, whether or not the hash has got here (the pages stay cached for it)
-                start_writeback(fd, start, data.nbytes)
-        except OSError as e:
-            raise OutputError(f"cannot write: {e.strerror or e}", file=self.plan.shard_names[out.shard],
-                              tensor=out.name) from None
-        self.done(out, data)
-
-    def done(self, out: OutTensor, data: memoryview | None = None) -> None:
-        """Mark ``out`` written (``write`` does this; call it after writing through ``target`` directly). Once the
-        last tensor of a shard is written, the shard is fsync'd (in its own thread, while the hasher finishes);
-        once both are done, the journal records its size and sha256.
-
-        ``data``: the bytes just written; the hasher hashes them from memory when they are next in the file (else
-        it reads them back later). At most ``HASH_MEMORY`` bytes wait for it this way; past that, none.
-        """
-        with self._lock:
-            if out.shard in self.kept:
-                return
-            self._left[out.shard] -= 1
-            fd, base = self._fds[out.shard]
-            last = self._left[out.shard] == 0
-            if data is not None and self._held + data.nbytes <= HASH_MEMORY:
-                self._held += data.nbytes
-            else:
-                data = None
-        self._events.put((out.shard, base + out.offset, base + out.offset + out.nbytes, data))
-        if last and self.fsync:  # flush while the hasher finishes the tail
-            threading.Thread(target=self._fsync, args=(out.shard, fd), name="expq-fsync", daemon=True).start()
-
-    def _fsync(self, k: int, fd: int) -> None:
-        try:
-            _faults.hit("fsync")
-            os.fsync(fd)
-            self._events.put((k, None))
-        except BaseException as e:  # noqa: BLE001 - the hasher raises it
-            self._events.put((k, e))
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._held -= nbytes
-
-    def _hash_loop(self) -> None:
-        k = -1
-        try:
-            while (ev := self._events.get()) is not None:
-                k, hs = ev[0], self._hashes[ev[0]]
-                if len(ev) == 2:  # the shard's fsync returned (None) or failed
-                    if ev[1] is not None:
-                        raise ev[1]
-                    hs.synced = True
-                else:
-                    _, start, end, data = ev
-                    hs.arrivals += 1
-                    heapq.heappush(hs.ready, (start, end, hs.arrivals, data))
-                    hs.advance(self._release)
-                if hs.pos >= hs.size and (hs.synced or not self.fsync):
-                    self._close(k, hs)
-        except BaseException as e:  # noqa: BLE001 - handed to the writers and to wait_closed
-            with self._lock:
-                self.error = e if isinstance(e, ExpqError) else OutputError(
-                    f"cannot finish the shard: {getattr(e, 'strerror', None) or e}",
-                    file=self.plan.shard_names[k] if k >= 0 else None)
-                self._lock.notify_all()
-
-    def _close(self, k: int, hs: _ShardHash) -> None:
-        with self._lock:
-            fd, _ = self._fds.pop(k)
-        os.close(fd)
-        name = self.plan.shard_names[k]
-        self.outdir.record(name, jobs=self.on_close(), sha256=hs.h.hexdigest())
-        with self._lock:
-            self.closed.append(k)
-            self._lock.notify_all()
-
-    def wait_closed(self, stop: threading.Event | None = None) -> None:
-        """Block until every shard is closed (hashed, fsync'd, recorded), or ``stop`` is set.
-
-        Raises:
-            OutputError (or the ExpqError that stopped the hasher).
-        """
-        with self._lock:
-            while len(self.closed) < len(self.plan.shard_names) and self.error is None:
-                if stop is not None and stop.is_set():
-                    return
-                self._lock.wait(0.1)
-            if self.error is not None:
-                raise self.error
-
-    def close_all(self) -> None:
-        """Stop the hasher, close and remove every shard not finished (after an error or an interrupt): a re-run
-        redoes them."""
-        if self._hasher is not None:
-            self._events.put(None)
-            self._hasher.join()
-            self._hasher = None
-        with self._lock:
-            for k, (fd, _) in self._fds.items():
-                os.close(fd)
-                files.remove_file(self.outdir.staging / self.plan.shard_names[k])
-            self._fds.clear()
-
-    def complete(self) -> bool:
-        """Every shard written and closed."""
-        return all(n == 0 for n in self._left) and len(self.closed) == len(self.plan.shard_names)
-
-
-def config_json(config: dict, quantization_config: dict, manifest_sha256: str) -> str:
-    """config.json: the source's, key order kept, with ``quantization_config`` set and, last, the sha256 of
-    expq.json's canonical form (``manifest.MANIFEST_SHA256_KEY``); stale ones of both are replaced."""
-    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", MANIFEST_SHA256_KEY)}
-    cfg["quantization_config"] = quantization_config
-    cfg[MANIFEST_SHA256_KEY] = manifest_sha256
-    return json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
