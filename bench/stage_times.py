@@ -26,6 +26,7 @@ import torch  # noqa: E402 - timed as start-up
 T_TORCH = time.perf_counter() - T0
 import expq.api  # noqa: E402
 import expq.formats.compressed_tensors as ct  # noqa: E402
+import expq.front_pass as front_pass  # noqa: E402
 import expq.pipeline as pipeline  # noqa: E402
 import expq.output.shards as shards  # noqa: E402
 
@@ -60,10 +61,10 @@ def main() -> None:
     args = ap.parse_args()
     timed(pipeline, "read_tensor", "read (readinto)")
     timed(pipeline, "quantize_matrix", "scheme (its CPU time: in 'rest')")
-    timed(pipeline._FrontPass, "_job", "front pass (scales, copies)")
+    timed(front_pass.FrontPass, "_job", "front pass (scales, copies)")
     timed(ct, "pack_codes", "pack")
     timed(pipeline._DevicePipeline, "_to_host", "copy back to host")
-    timed(pipeline, "copy_bytes", "passthrough copy")
+    timed(front_pass, "copy_bytes", "passthrough copy")
     timed(shards.ShardSet, "write", "positional write")
     timed(shards._ShardHash, "advance", "hash (read back + sha256)")
     timed(shards.os, "fsync", "fsync")

@@ -16,7 +16,7 @@ and writing overlap:
 
 Within a unit, jobs run in the order their largest outputs lie in the output file, so shards fill front to back.
 Where a shard lays out small tensors in front of its codes (experts-int8: the F32 scales of every matrix, then the
-copied and decoded tensors, then the int8 codes), a **front pass** (``_FrontPass``) writes them ahead of the
+copied and decoded tensors, then the int8 codes), a **front pass** (``FrontPass``) writes them ahead of the
 pipelines (the scales from one read of each value), so that the shard's hash follows its codes as they are written
 instead of waiting for the shard's last job and reading the whole shard back.
 The output bytes do not depend on the number of devices, their kind or their order.
@@ -33,12 +33,13 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import cpu_kernels, parallel
-from .errors import NonFiniteError, OutputError
+from . import parallel
+from .errors import NonFiniteError
 from .interrupts import StopSignal
-from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, copy_bytes, map_tensor, read_tensor
+from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan
-from .scheme import matrix_scales, quantize_matrix
+from .scheme import quantize_matrix
+from .front_pass import FrontPass, Halt, check_decoded, front_outputs, run_copy
 from .output.shards import ShardSet
 
 MAX_LISTED_ROWS = 20
@@ -132,11 +133,7 @@ class _Item:
     parts: dict[TensorInfo, torch.Tensor] | None = None  # stored tensors read (read stage)
     writes: list[tuple[OutTensor, torch.Tensor]] = field(default_factory=list)  # host tensors to write (compute)
     rows_found: dict | None = None
-    front_done: bool = False  # the front pass writes this job's front outputs (``_FrontPass``)
-
-
-class _Halt(Exception):
-    """The run is stopping (an interrupt, or another stage failed)."""
+    front_done: bool = False  # the front pass writes this job's front outputs (``FrontPass``)
 
 
 class _Budget:
@@ -151,7 +148,7 @@ class _Budget:
         with self.cond:
             while self.used and self.used + n > self.limit:
                 if self.halted():
-                    raise _Halt
+                    raise Halt
                 self.cond.wait(0.1)
             self.used += n
             self.peak = max(self.peak, self.used)
@@ -162,7 +159,7 @@ class _Budget:
             self.cond.notify_all()
 
 
-class _Run:
+class Run:
     """What the pipelines of one ``run_plan`` share: the plan, the shards, the unit queue, the stop flags, the
     findings, and the per-file reader counts for the feeder."""
 
@@ -175,7 +172,7 @@ class _Run:
         self.errors: list[BaseException] = []
         self.units: queue.SimpleQueue = queue.SimpleQueue()
         self.readers: dict[str, int] = {}
-        # the front pass (``_FrontPass``): job index -> its front outputs; the jobs claimed (by the front pass or a
+        # the front pass (``FrontPass``): job index -> its front outputs; the jobs claimed (by the front pass or a
         # pipeline: whoever claims a job first writes its front outputs); units the read threads have taken
         self.front: dict[int, list[OutTensor]] = {}
         self.claimed: dict[int, str] = {}
@@ -196,7 +193,7 @@ class _Run:
                 return q.put(x, timeout=0.1)
             except queue.Full:
                 if self.halted():
-                    raise _Halt from None
+                    raise Halt from None
 
     def get(self, q: queue.Queue):
         while True:
@@ -204,7 +201,7 @@ class _Run:
                 return q.get(timeout=0.1)
             except queue.Empty:
                 if self.halted():
-                    raise _Halt from None
+                    raise Halt from None
 
     def unit_taken(self) -> None:
         with self.taken:
@@ -212,11 +209,11 @@ class _Run:
             self.taken.notify_all()
 
     def wait_taken(self, n: int) -> None:
-        """Block until the read threads have taken ``n`` units (or the run stops: ``_Halt``)."""
+        """Block until the read threads have taken ``n`` units (or the run stops: ``Halt``)."""
         with self.taken:
             while self.units_taken < n:
                 if self.halted():
-                    raise _Halt
+                    raise Halt
                 self.taken.wait(0.1)
 
     def claim(self, index: int, who: str) -> bool:
@@ -244,7 +241,7 @@ _END = object()
 class _DevicePipeline:
     """Read, compute and write threads for one device (see the module docstring)."""
 
-    def __init__(self, run: _Run, device: torch.device):
+    def __init__(self, run: Run, device: torch.device):
         self.run, self.device = run, device
         self.cuda = device.type == "cuda"
         self.budget = _Budget(PIPELINE_BYTES, run.halted)
@@ -269,7 +266,7 @@ class _DevicePipeline:
             if self.cuda:
                 torch.cuda.set_device(self.device)
             fn()
-        except _Halt:
+        except Halt:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             self.run.fail(e)
@@ -291,7 +288,7 @@ class _DevicePipeline:
                     for f in dict.fromkeys(p.file for p in job.tensor.parts):
                         run.feeder.wait(f)
                 if run.halted():
-                    raise _Halt
+                    raise Halt
                 item.front_done = index in run.front and not run.claim(index, "pipeline")
                 if job.kind is JobKind.QUANTIZE or (job.kind is JobKind.DECODE and not item.front_done):
                     item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.tensor.parts}
@@ -308,7 +305,7 @@ class _DevicePipeline:
             with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
                 if job.kind is JobKind.DECODE and not item.front_done:
                     t = self._logical(item)
-                    _check_decoded(job, t, run.allow_nonfinite)
+                    check_decoded(job, t, run.allow_nonfinite)
                     item.writes = [(job.outputs[0], self._to_host(t))]
                     if self.cuda:
                         self.stream.synchronize()
@@ -365,7 +362,7 @@ class _DevicePipeline:
                     run.stats.by_job[item.index] = item.rows_found
             if job.kind is JobKind.COPY:
                 if not item.front_done:
-                    _run_copy(run.plan, job, run.shards)
+                    run_copy(run.plan, job, run.shards)
             else:
                 for out, x in item.writes:
                     run.shards.write(out, x)
@@ -375,143 +372,6 @@ class _DevicePipeline:
             run.job_done(job)
             if run.on_progress:
                 run.on_progress(job.tensor.nbytes_stored, len(run.shards.closed))
-
-
-def front_outputs(plan: Plan, jobs: list[tuple[int, Job]]) -> dict[int, list[OutTensor]]:
-    """The outputs written ahead of the pipelines (``_FrontPass``), by job index: those that lie in front of the
-    routed-expert codes of their shard and that the run can produce cheaply. In experts-int8 a shard lays out its
-    4-byte tensors (the F32 scales of every matrix), then its 2-byte ones (the copied and decoded tensors), then the
-    int8 codes; in compressed-tensors the packed codes come first and nothing needs to go ahead.
-
-    * a quantize job: each matrix's outputs in front of its largest one (the scales; computed at run time);
-    * a copy or decode job: its output, where it lies in front of the last codes of its shard.
-    """
-    bulk: dict[int, int] = {}  # shard -> offset of its last codes tensor
-    for _, j in jobs:
-        if j.kind is JobKind.QUANTIZE:
-            for g in j.groups:
-                big = max(g, key=lambda o: o.nbytes)
-                bulk[big.shard] = max(bulk.get(big.shard, -1), big.offset)
-    out: dict[int, list[OutTensor]] = {}
-    for i, j in jobs:
-        if j.kind is JobKind.QUANTIZE:
-            front = [o for g in j.groups for o in g if o is not max(g, key=lambda o: o.nbytes) and o.value is None
-                     and o.offset < max(g, key=lambda o: o.nbytes).offset]
-        else:
-            front = [o for o in j.outputs if o.offset < bulk.get(o.shard, -1)]
-        if front:
-            out[i] = front
-    return out
-
-
-class _FrontPass:
-    """Writes the front of every shard (``front_outputs``: the scales, the copied and the decoded tensors of an
-    experts-int8 shard) ahead of the pipelines, so that each shard's hash follows its codes from memory as they are
-    written, instead of waiting for the shard's last job and reading the whole shard back at the end.
-
-    One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
-    hashes wait for it, and it is small: one read of each value). It goes through the units in the order the
-    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
-    read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
-    (``_Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
-    the pipeline skips these outputs):
-
-    * a copy job: copied (``copy_bytes``); a decode job: decoded and written;
-    * a quantize job: its stored tensors mapped (``io.safetensors.map_tensor``: no copy), decoded if stored quantized, the
-      row absmax and the scales taken (``scheme.matrix_scales``: the bits ``quantize_matrix`` gives), and the
-      format's encoding of those scales written.
-
-    Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
-    read of the values), else on the first GPU of the run if there is one, else the CPU. Not used with a source
-    feeder (``--stream``: files arrive one window at a time).
-    """
-
-    def __init__(self, run: _Run, units: list[list[tuple[int, Job]]], devices: list[torch.device]):
-        self.run, self.units = run, units
-        self.gpu = next((d for d in devices if d.type == "cuda"), None)
-        self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        while self.thread.is_alive():
-            self.thread.join(0.1)
-
-    def _main(self) -> None:
-        try:
-            if self.gpu is not None:
-                torch.cuda.set_device(self.gpu)
-            with torch.cuda.stream(torch.cuda.Stream(self.gpu)) if self.gpu is not None else nullcontext(), \
-                    parallel.first():
-                for k, unit in enumerate(self.units):
-                    self.run.wait_taken(k)
-                    front = self.run.front
-                    # in the order the outputs lie in the shards: the hashes pass them in that order
-                    for index, job in sorted((ij for ij in unit if ij[0] in front),
-                                             key=lambda ij: min((o.shard, o.offset) for o in front[ij[0]])):
-                        if self.run.halted():
-                            raise _Halt
-                        if index in self.run.front and self.run.claim(index, "front"):
-                            self._job(index, job)
-        except _Halt:
-            pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            self.run.fail(e)
-
-    def _device(self, job: Job) -> torch.device:
-        if self.gpu is None or (not job.tensor.decoded and cpu_kernels.active() == "numba"):
-            return torch.device("cpu")
-        return self.gpu
-
-    def _job(self, index: int, job: Job) -> None:
-        run, plan, src = self.run, self.run.plan, job.tensor
-        if job.kind is JobKind.COPY:
-            _run_copy(plan, job, run.shards)
-            return
-        device = self._device(job)
-        parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
-        t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
-            if src.decoded else parts[src.stored]
-        del parts
-        if job.kind is JobKind.DECODE:
-            _check_decoded(job, t, run.allow_nonfinite)
-            run.shards.write(job.outputs[0], t.cpu())
-            return
-        w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
-        del t
-        scales = matrix_scales(w)
-        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(w.shape)  # the codes: not part of the front
-        del w
-        front = {o.name for o in run.front[index]}
-        for group, tensors in zip(job.groups, plan.format.encode(stub, scales, job.expert.matrices)):
-            outs = [o for o in group if o.value is None]
-            for o, (_, x) in zip(outs, tensors):
-                if o.name in front:
-                    run.shards.write(o, x.cpu())
-
-
-def _run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
-    out = job.outputs[0]
-    t = shards.target(out)
-    if t is None:  # its shard was finished by an earlier run
-        return
-    fd, pos = t
-    try:
-        copy_bytes(plan.source.root, job.tensor.stored, fd, pos)
-    except OSError as e:
-        raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
-                          tensor=out.name) from None
-    shards.done(out)
-
-
-def _check_decoded(job: Job, t: torch.Tensor, allow_nonfinite: bool) -> None:
-    if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        parts = ", ".join(p.name for p in job.tensor.parts[1:]) or "its stored values"
-        raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
-                             file=job.tensor.file, tensor=job.tensor.name,
-                             hint="pass --allow-nonfinite to write it anyway")
 
 
 def _rows_found(job: Job, rep, plan: Plan, allow_nonfinite: bool) -> dict:
@@ -595,7 +455,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     """
     stats = RunStats(by_job=dict(done_jobs or {}))
     shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
-    run = _Run(plan, shards, stats, allow_nonfinite, stop or StopSignal(), feeder, on_progress)
+    run = Run(plan, shards, stats, allow_nonfinite, stop or StopSignal(), feeder, on_progress)
     todo = []
     for i, j in enumerate(plan.jobs):
         if shards.needed(j.outputs) or (j.kind is JobKind.QUANTIZE and i not in stats.by_job):
@@ -611,7 +471,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     pipes = [_DevicePipeline(run, d) for d in devices]
     if feeder is None:
         run.front = front_outputs(plan, todo)
-    front = _FrontPass(run, units, devices) if run.front else None
+    front = FrontPass(run, units, devices) if run.front else None
     with cpu_threads(any(d.type == "cpu" for d in devices)):
         _run_pipelines(run, pipes, shards, feeder, on_progress, front)
     for p in pipes:
@@ -645,8 +505,8 @@ def cpu_threads(active: bool):
         torch.set_num_threads(before)
 
 
-def _run_pipelines(run: _Run, pipes: list[_DevicePipeline], shards: ShardSet, feeder: SourceFeeder | None,
-                   on_progress: Callable[[int, int], None] | None, front: _FrontPass | None) -> None:
+def _run_pipelines(run: Run, pipes: list[_DevicePipeline], shards: ShardSet, feeder: SourceFeeder | None,
+                   on_progress: Callable[[int, int], None] | None, front: FrontPass | None) -> None:
     try:
         if feeder is not None:
             feeder.start(list(run.readers))

@@ -1,0 +1,167 @@
+"""The front pass of a conversion: the outputs that lie in front of a shard's codes (experts-int8: the F32 scales
+of every matrix, then the copied and decoded tensors), written ahead of the device pipelines (``pipeline``), so
+that the shard's hash follows its codes as they are written instead of waiting for the shard's last job.
+
+``FrontPass`` runs on one thread beside the pipelines and shares the run's claims with them (``pipeline.Run``:
+whichever claims a job first writes its front outputs); ``run_copy`` and ``check_decoded`` are the copy and decode
+steps both use.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import cpu_kernels, parallel
+from .errors import NonFiniteError, OutputError
+from .io.safetensors import copy_bytes, map_tensor
+from .plan import Job, JobKind, OutTensor, Plan
+from .scheme import matrix_scales
+
+if TYPE_CHECKING:
+    from .output.shards import ShardSet
+    from .pipeline import Run
+
+
+class Halt(Exception):
+    """The run is stopping (an interrupt, or another stage failed)."""
+
+
+def front_outputs(plan: Plan, jobs: list[tuple[int, Job]]) -> dict[int, list[OutTensor]]:
+    """The outputs written ahead of the pipelines (``FrontPass``), by job index: those that lie in front of the
+    routed-expert codes of their shard and that the run can produce cheaply. In experts-int8 a shard lays out its
+    4-byte tensors (the F32 scales of every matrix), then its 2-byte ones (the copied and decoded tensors), then the
+    int8 codes; in compressed-tensors the packed codes come first and nothing needs to go ahead.
+
+    * a quantize job: each matrix's outputs in front of its largest one (the scales; computed at run time);
+    * a copy or decode job: its output, where it lies in front of the last codes of its shard.
+    """
+    bulk: dict[int, int] = {}  # shard -> offset of its last codes tensor
+    for _, j in jobs:
+        if j.kind is JobKind.QUANTIZE:
+            for g in j.groups:
+                big = max(g, key=lambda o: o.nbytes)
+                bulk[big.shard] = max(bulk.get(big.shard, -1), big.offset)
+    out: dict[int, list[OutTensor]] = {}
+    for i, j in jobs:
+        if j.kind is JobKind.QUANTIZE:
+            front = [o for g in j.groups for o in g if o is not max(g, key=lambda o: o.nbytes) and o.value is None
+                     and o.offset < max(g, key=lambda o: o.nbytes).offset]
+        else:
+            front = [o for o in j.outputs if o.offset < bulk.get(o.shard, -1)]
+        if front:
+            out[i] = front
+    return out
+
+
+class FrontPass:
+    """Writes the front of every shard (``front_outputs``: the scales, the copied and the decoded tensors of an
+    experts-int8 shard) ahead of the pipelines, so that each shard's hash follows its codes from memory as they are
+    written, instead of waiting for the shard's last job and reading the whole shard back at the end.
+
+    One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
+    hashes wait for it, and it is small: one read of each value). It goes through the units in the order the
+    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
+    read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
+    (``Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
+    the pipeline skips these outputs):
+
+    * a copy job: copied (``copy_bytes``); a decode job: decoded and written;
+    * a quantize job: its stored tensors mapped (``io.safetensors.map_tensor``: no copy), decoded if stored quantized, the
+      row absmax and the scales taken (``scheme.matrix_scales``: the bits ``quantize_matrix`` gives), and the
+      format's encoding of those scales written.
+
+    Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
+    read of the values), else on the first GPU of the run if there is one, else the CPU. Not used with a source
+    feeder (``--stream``: files arrive one window at a time).
+    """
+
+    def __init__(self, run: Run, units: list[list[tuple[int, Job]]], devices: list[torch.device]):
+        self.run, self.units = run, units
+        self.gpu = next((d for d in devices if d.type == "cuda"), None)
+        self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self) -> None:
+        while self.thread.is_alive():
+            self.thread.join(0.1)
+
+    def _main(self) -> None:
+        try:
+            if self.gpu is not None:
+                torch.cuda.set_device(self.gpu)
+            with torch.cuda.stream(torch.cuda.Stream(self.gpu)) if self.gpu is not None else nullcontext(), \
+                    parallel.first():
+                for k, unit in enumerate(self.units):
+                    self.run.wait_taken(k)
+                    front = self.run.front
+                    # in the order the outputs lie in the shards: the hashes pass them in that order
+                    for index, job in sorted((ij for ij in unit if ij[0] in front),
+                                             key=lambda ij: min((o.shard, o.offset) for o in front[ij[0]])):
+                        if self.run.halted():
+                            raise Halt
+                        if index in self.run.front and self.run.claim(index, "front"):
+                            self._job(index, job)
+        except Halt:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.run.fail(e)
+
+    def _device(self, job: Job) -> torch.device:
+        if self.gpu is None or (not job.tensor.decoded and cpu_kernels.active() == "numba"):
+            return torch.device("cpu")
+        return self.gpu
+
+    def _job(self, index: int, job: Job) -> None:
+        run, plan, src = self.run, self.run.plan, job.tensor
+        if job.kind is JobKind.COPY:
+            run_copy(plan, job, run.shards)
+            return
+        device = self._device(job)
+        parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
+        t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
+            if src.decoded else parts[src.stored]
+        del parts
+        if job.kind is JobKind.DECODE:
+            check_decoded(job, t, run.allow_nonfinite)
+            run.shards.write(job.outputs[0], t.cpu())
+            return
+        w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
+        del t
+        scales = matrix_scales(w)
+        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(w.shape)  # the codes: not part of the front
+        del w
+        front = {o.name for o in run.front[index]}
+        for group, tensors in zip(job.groups, plan.format.encode(stub, scales, job.expert.matrices)):
+            outs = [o for o in group if o.value is None]
+            for o, (_, x) in zip(outs, tensors):
+                if o.name in front:
+                    run.shards.write(o, x.cpu())
+
+
+def run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:
+    out = job.outputs[0]
+    t = shards.target(out)
+    if t is None:  # its shard was finished by an earlier run
+        return
+    fd, pos = t
+    try:
+        copy_bytes(plan.source.root, job.tensor.stored, fd, pos)
+    except OSError as e:
+        raise OutputError(f"cannot write: {e.strerror or e}", file=plan.shard_names[out.shard],
+                          tensor=out.name) from None
+    shards.done(out)
+
+
+def check_decoded(job: Job, t: torch.Tensor, allow_nonfinite: bool) -> None:
+    if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        parts = ", ".join(p.name for p in job.tensor.parts[1:]) or "its stored values"
+        raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
+                             file=job.tensor.file, tensor=job.tensor.name,
+                             hint="pass --allow-nonfinite to write it anyway")
