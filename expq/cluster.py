@@ -418,7 +418,8 @@ def _headers_only(src, out: Path, *, revision: str | None, token: str | None):
     only)."""
     p = Path(src).expanduser()
     if p.exists() or not is_repo_id(str(src)):  # a directory, or the same error a plain convert gives
-        yield resolve_source(p if p.exists() else src, revision=revision), None
+        # absolute: the tasks run in other working directories (and on other machines, at the same path)
+        yield resolve_source(p.resolve() if p.exists() else src, revision=revision), None
         return
     if token is None:
         from huggingface_hub import get_token

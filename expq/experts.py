@@ -361,8 +361,10 @@ def _config_int(config: dict, keys: tuple[str, ...], what: str, used: dict[str, 
     used[what] = where
     if isinstance(val, list) and not required:  # e.g. per-layer sizes: not a single number
         return None
-    if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+    if isinstance(val, bool) or not isinstance(val, int):
         raise LayoutError(f"{where} = {_brief(val)} is not an integer", file="config.json")
+    if val < 0:
+        raise LayoutError(f"{where} = {val} is negative", file="config.json")
     if val > MAX_CONFIG_INT:  # no model comes near; the loops over layers and experts must stay bounded
         raise LayoutError(f"{where} = {_brief(val)} is too large (at most {MAX_CONFIG_INT})", file="config.json")
     return val
@@ -382,6 +384,8 @@ def _config_numbers(layout: Layout, config: dict, used: dict[str, str]) -> dict[
             "hidden_size": _config_int(config, k["hidden_size"], "hidden_size", used, False),
             "intermediate_size": _config_int(config, k["intermediate_size"], "intermediate_size", used, False),
             "top_k": _config_int(config, k["top_k"], "top_k", used, False)}
+    if nums["top_k"] == 0:  # a router that picks no expert: every MoE layer would output zeros
+        raise LayoutError(f"{used['top_k']} = 0: each token must go to at least one routed expert", file="config.json")
     if nums["top_k"] is not None and nums["top_k"] > nums["num_experts"]:  # no engine can route to more experts
         raise LayoutError(f"{used['top_k']} = {nums['top_k']} is more than the {nums['num_experts']} routed experts "
                           f"({used['num_experts']})", file="config.json")

@@ -128,6 +128,17 @@ def test_top_k_above_the_expert_count_refused(src, tmp_path):
     assert_one_line(src, tmp_path / "out", line)
 
 
+@pytest.mark.parametrize("top_k, why", [(0, "num_experts_per_tok = 0: each token must go to at least one routed "
+                                                "expert"),
+                                         (-1, "num_experts_per_tok = -1 is negative")])
+def test_top_k_below_one_refused(src, tmp_path, top_k, why):
+    edit_config(src, lambda c: c.__setitem__("num_experts_per_tok", top_k))
+    with pytest.raises(LayoutError) as ei:
+        expq.inspect(src)
+    assert str(ei.value) == f"file config.json: {why}"
+    assert_one_line(src, tmp_path / "out", f"file config.json: {why}")
+
+
 def test_top_k_equal_to_the_expert_count_accepted(src, tmp_path):
     edit_config(src, lambda c: c.__setitem__("num_experts_per_tok", 4))  # negative control: every expert
     assert expq.inspect(src).summary()["top_k"] == 4

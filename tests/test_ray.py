@@ -15,6 +15,7 @@ import socket
 import sys
 
 import pytest
+from pathlib import Path
 from helpers import edit_shard_tensors, example, tree_digest
 from hub_server import configure_hf_client
 from typer.testing import CliRunner
@@ -84,6 +85,14 @@ def test_groups_join_shards_fed_by_one_tensor(tmp_path_factory):
         assert sum(1 for g in groups if ks & set(g.shards)) == 1
         assert ks <= next(set(g.shards) for g in groups if ks & set(g.shards))
     assert any(len(g.shards) > 1 for g in groups) and len(groups) > 1
+
+
+def test_relative_source_path(tmp_path, tmp_path_factory, monkeypatch):
+    """A SRC given relative to the working directory: the tasks, which run elsewhere, read the same files."""
+    src = example(tmp_path_factory, "mixtral")
+    monkeypatch.chdir(src.parent)
+    expq.convert(Path(src.name), tmp_path / "ray", device="cpu", max_shard_size=SHARD, ray="local")
+    assert tree_digest(tmp_path / "ray") == single(tmp_path, src)
 
 
 def test_killed_worker_is_retried(tmp_path, tmp_path_factory, monkeypatch):
