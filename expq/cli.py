@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Iterable, Optional, Sequence
@@ -56,15 +57,31 @@ out = Console(highlight=False)
 Cell = str | Text
 
 
-def _say(text: Cell, *, stderr: bool = False, style: str | None = None) -> None:
-    """Print one line of user text literally: a rich ``Text`` (no markup, never wrapped) on a terminal, a plain
-    ``print`` when the stream is redirected."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """User text as it is printed: literal (``[red]`` stays ``[red]``), except control characters (an escape
+    sequence in a path, a tensor name or a config value), which are shown escaped (``\\x1b``) and never reach the
+    terminal."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _cell(c: Cell) -> Text:
+    return Text(visible(c.plain), style=c.style) if isinstance(c, Text) else Text(visible(str(c)))
+
+
+def _say(text: Cell, *, stderr: bool = False, style: str | None = None, exact: bool = False) -> None:
+    """Print one line of user text literally (``visible``, unless ``exact``: a model's generated text, which
+    ``run`` prints as it is): a rich ``Text`` (no markup, never wrapped) on a terminal, a plain ``print`` when the
+    stream is redirected."""
     stream = sys.stderr if stderr else sys.stdout
+    t = text if isinstance(text, Text) else Text(text, style=style or "")
+    t = t if exact else _cell(t)
     if is_tty(stream):
-        t = text if isinstance(text, Text) else Text(text, style=style or "")
         (err if stderr else out).print(t, soft_wrap=True)
     else:
-        print(text.plain if isinstance(text, Text) else text, file=stream, flush=True)
+        print(t.plain, file=stream, flush=True)
 
 
 def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
@@ -73,15 +90,16 @@ def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequ
     the title on its own line, then the header (if ``columns``) and each row as tab-separated cells, in full."""
     rows = list(rows)
     if not is_tty(sys.stdout):
-        lines = ([title] if title else []) + (["\t".join(columns)] if columns else [])
-        lines += ["\t".join(c.plain if isinstance(c, Text) else str(c) for c in r) for r in rows]
+        lines = ([visible(title)] if title else []) + (["\t".join(columns)] if columns else [])
+        lines += ["\t".join(_cell(c).plain for c in r) for r in rows]
         print("\n".join(lines), flush=True)
         return
-    t = Table(show_header=bool(columns), title=Text(title) if title else None, title_justify="left", **table_kw)
+    t = Table(show_header=bool(columns), title=Text(visible(title)) if title else None, title_justify="left",
+              **table_kw)
     for col in columns or [""] * (len(rows[0]) if rows else 0):
         t.add_column(col, no_wrap=col in no_wrap, min_width=len(col) if col in no_wrap else None)
     for r in rows:
-        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in r))
+        t.add_row(*(_cell(c) for c in r))
     out.print(t)
 
 
@@ -400,8 +418,8 @@ def run(
         g = generate(out_dir, prompt, max_new_tokens=max_new_tokens, device=device)
     _say(f"{g.model_class}: routed experts int8 in memory ({format_size(g.experts_bytes)}), "
          f"rest {format_size(g.other_bytes)}, on {g.device}", stderr=True)
-    if g.text is not None:  # the generated text, exactly (plain print when piped)
-        _say(g.text)
+    if g.text is not None:  # the generated text, exactly: the one output not escaped (``visible``)
+        _say(g.text, exact=True)
         _say(f"token ids: {g.new_ids}", stderr=True)
     else:
         _say(" ".join(str(t) for t in g.new_ids))

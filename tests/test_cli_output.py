@@ -167,6 +167,23 @@ def test_errors_name_odd_paths_literally(odd, tmp_path):
     assert f"Error: No such command '{odd_command}'." in lines(u.stderr)  # click's plain line, not a wrapped panel
 
 
+def test_control_characters_never_reach_the_terminal(odd, tmp_path):
+    """An escape sequence in a path or in config.json is shown escaped; markup-looking text stays as it is."""
+    missing = tmp_path / "e\x1b[31m [usb] \x07 z"
+    r = cli("inspect", missing)
+    assert r.returncode != 0 and "\x1b" not in r.stderr and "\x07" not in r.stderr
+    assert "e\\x1b[31m [usb] " in r.stderr  # the escape spelled out, [usb] literal
+    src = odd[0]
+    edited = tmp_path / "edited"
+    shutil.copytree(src, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg["architectures"] = [cfg["architectures"][0]]
+    cfg["model_type"] = cfg["model_type"] + "\x1b[2J"
+    (edited / "config.json").write_text(json.dumps(cfg))
+    r = cli("inspect", edited)
+    assert "\x1b" not in r.stdout + r.stderr
+
+
 def test_hub_download_progress_follows_the_ci_rule(odd, hub_server, tmp_path):
     """Converting a Hub repo with stderr piped: huggingface_hub's tqdm bars are off (they are on by default), expq's
     own lines stay, at the default interval only the final one for a sub-second run."""
