@@ -43,14 +43,15 @@ def driver_reads_no_weights():
     """Within: in this (the driver's) process, reading a tensor or a source's data bytes fails the test; the
     workers are other processes and are not affected."""
     import expq.conversion
+    import expq.front_pass
     import expq.pipeline
 
     def forbidden(*a, **k):
         raise AssertionError("the driver read weight bytes")
 
     with pytest.MonkeyPatch.context() as mp:
-        for mod, name in ((expq.pipeline, "read_tensor"), (expq.pipeline, "copy_bytes"),
-                          (expq.conversion, "local_identity")):
+        for mod, name in ((expq.pipeline, "read_tensor"), (expq.front_pass, "copy_bytes"),
+                          (expq.front_pass, "map_tensor"), (expq.conversion, "local_identity")):
             mp.setattr(mod, name, forbidden)
         yield
 
