@@ -76,12 +76,13 @@ def _say(text: Cell, *, stderr: bool = False, style: str | None = None, exact: b
     ``run`` prints as it is): a rich ``Text`` (no markup, never wrapped) on a terminal, a plain ``print`` when the
     stream is redirected."""
     stream = sys.stderr if stderr else sys.stdout
-    t = text if isinstance(text, Text) else Text(text, style=style or "")
-    t = t if exact else _cell(t)
+    plain = text.plain if isinstance(text, Text) else text
+    plain = plain if exact else visible(plain)
     if is_tty(stream):
+        t = Text(plain, style=text.style if isinstance(text, Text) else style or "")
         (err if stderr else out).print(t, soft_wrap=True)
     else:
-        print(t.plain, file=stream, flush=True)
+        print(plain, file=stream, flush=True)
 
 
 def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
