@@ -235,3 +235,41 @@ def edit_shard_tensors(root: Path, name: str, fn) -> None:
 
 def load_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())
+
+
+def run_cli(*args, timeout: int = 300) -> tuple[int, str]:
+    """``python -m expq.cli ARGS`` in a real subprocess, stdin closed: (exit status, stdout + stderr)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "expq.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL)
+    return r.returncode, r.stdout + r.stderr
+
+
+def start_cli(*args, fault: str | None = None):
+    """``python -m expq.cli ARGS`` started in a real subprocess (stdout and stderr merged, unbuffered), with the
+    ``EXPQ_FAULT`` rules ``fault`` (none unless given): the caller waits, signals or kills it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("EXPQ_FAULT", None)
+    if fault:
+        env["EXPQ_FAULT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "expq.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def reference_conversions(tmp_path_factory: pytest.TempPathFactory):
+    """(a mixtral source, its conversion's digest, an earlier conversion of another family (olmoe), its digest):
+    what a replacing conversion must leave as the complete old or the complete new checkpoint."""
+    import expq
+
+    src = example(tmp_path_factory, "mixtral")
+    ref = tmp_path_factory.mktemp("ref") / "out"
+    expq.convert(src, ref, device="cpu")
+    old = tmp_path_factory.mktemp("old") / "out"
+    expq.convert(example(tmp_path_factory, "olmoe"), old, device="cpu")
+    return src, tree_digest(ref), old, tree_digest(old)

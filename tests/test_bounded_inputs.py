@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import example
+from helpers import example, run_cli
 from typer.testing import CliRunner
 
 import expq
@@ -27,12 +25,6 @@ def src(tmp_path, tmp_path_factory) -> Path:
     s = tmp_path / "src"
     shutil.copytree(example(tmp_path_factory, "mixtral"), s)
     return s
-
-
-def run_cli(*args) -> tuple[int, str]:
-    r = subprocess.run([sys.executable, "-m", "expq.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
-    return r.returncode, r.stdout + r.stderr
 
 
 def assert_one_line(src: Path, out: Path, line: str, *extra, subprocess_: bool = False) -> None:

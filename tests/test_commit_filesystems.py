@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import example, tree_digest
+from helpers import reference_conversions, tree_digest
 
 import expq
 from expq.output import faults
@@ -50,12 +50,7 @@ def without_card(digest: dict) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(source, its conversion's digest, an earlier conversion of another family and its digest)."""
-    src = example(tmp_path_factory, "mixtral")
-    ref = tmp_path_factory.mktemp("ref") / "out"
-    expq.convert(src, ref, device="cpu")
-    old = tmp_path_factory.mktemp("old") / "out"
-    expq.convert(example(tmp_path_factory, "olmoe"), old, device="cpu")
-    return src, tree_digest(ref), old, tree_digest(old)
+    return reference_conversions(tmp_path_factory)
 
 
 # --- no RENAME_EXCHANGE ----------------------------------------------------------------------------------------------

@@ -10,12 +10,10 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import example, tree_digest
+from helpers import reference_conversions, start_cli, tree_digest
 
 import expq
 from expq.plan import JobKind
@@ -24,13 +22,7 @@ SHARD = "40KB"
 NOTE = "notes.txt"  # a file of the user's beside OUT: never touched
 
 
-def cli(*args, fault=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("EXPQ_FAULT", None)
-    if fault:
-        env["EXPQ_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-m", "expq.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+cli = start_cli
 
 
 def convert_cli(src, out, *extra, fault=None):
@@ -42,12 +34,7 @@ def convert_cli(src, out, *extra, fault=None):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(source, its one-shard conversion's digest, the old checkpoint (another family) and its digest)."""
-    src = example(tmp_path_factory, "mixtral")
-    ref = tmp_path_factory.mktemp("ref") / "out"
-    expq.convert(src, ref, device="cpu")
-    old = tmp_path_factory.mktemp("old") / "out"
-    expq.convert(example(tmp_path_factory, "olmoe"), old, device="cpu")
-    return src, tree_digest(ref), old, tree_digest(old)
+    return reference_conversions(tmp_path_factory)
 
 
 def leftovers(parent):

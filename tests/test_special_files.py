@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import example
+from helpers import run_cli as run_helper
 
 import expq
 from expq.errors import LayoutError, SourceError
@@ -31,9 +32,7 @@ def src(tmp_path, tmp_path_factory) -> Path:
 
 
 def run_cli(*args) -> tuple[int, str]:
-    r = subprocess.run([sys.executable, "-m", "expq.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=TIMEOUT, stdin=subprocess.DEVNULL)
-    return r.returncode, r.stdout + r.stderr
+    return run_helper(*args, timeout=TIMEOUT)
 
 
 def assert_refused(src: Path, out: Path, line: str, *extra) -> None:

@@ -9,23 +9,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from helpers import example, tree_digest
+from helpers import example, start_cli, tree_digest
 
 import expq
 from expq.output.outdir import reading
 
 
-def start(*args, fault=None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("EXPQ_FAULT", None)
-    if fault:
-        env["EXPQ_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-m", "expq.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+start = start_cli
 
 
 def wait_for(pred, what: str, proc: subprocess.Popen | None = None, limit: float = 120) -> None:
