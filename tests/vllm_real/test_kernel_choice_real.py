@@ -17,9 +17,7 @@ pytest.importorskip("vllm")
 h = pytest.importorskip("vllm_harness")
 
 from helpers import converted_factory  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
-from expq.checkpoint import ConvertedCheckpoint  # noqa: E402
 from expq.engines import vllm as plugin  # noqa: E402
 from expq.engines import vllm_kernel  # noqa: E402
 from expq.kernels import moe_reference  # noqa: E402
@@ -34,28 +32,9 @@ def loaded_layers(out, tag):
     """vLLM MoE layers (fp16: the interpreter's bf16 is wrong) for every MoE layer of ``out``, filled by the
     plugin's routing and processed (``tag``: a unique part of their names: vLLM refuses a layer name twice)."""
     config = json.loads((out / "config.json").read_text())
-    qc = h.quant_config_of(out)
-    ck = ConvertedCheckpoint(out)
-    root = torch.nn.Module()
-    root.model = torch.nn.Module()
-    root.model.layers = torch.nn.ModuleList()
-    layers = {}
-    for L in range(max(ck.moe_layers) + 1):
-        block = torch.nn.Module()
-        block.mlp = torch.nn.Module()
-        if L in ck.moe_layers:
-            block.mlp.experts = h.moe_layer(config, qc, f"{out.parent.name}.{tag}.model.layers.{L}.mlp.experts",
-                                            params_dtype=torch.float16)
-            layers[L] = block.mlp.experts
-        root.model.layers.append(block)
-
-    def stream():
-        for f in sorted(out.glob("*.safetensors")):
-            with safe_open(f, "pt") as sf:
-                for name in sf.keys():
-                    yield name, sf.get_tensor(name)
-
-    list(plugin.routed_weights(stream(), SimpleNamespace(model=str(out), dtype=torch.float16, revision=None), root))
+    root, layers, ck = h.plugin_model(out, tag=tag, params_dtype=torch.float16)
+    model_config = SimpleNamespace(model=str(out), dtype=torch.float16, revision=None)
+    list(plugin.routed_weights(h.checkpoint_stream(out), model_config, root))
     for layer in layers.values():
         with h.gpu(90):
             layer.quant_method.process_weights_after_loading(layer)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import converted_factory, load_hf, model_expert_matrices
-from safetensors import safe_open
 
 from expq.checkpoint import ConvertedCheckpoint
 from expq.engines import vllm as plugin
@@ -25,33 +24,17 @@ def converted(tmp_path_factory):
     return converted_factory(tmp_path_factory, "vllm-real", format="experts-int8")
 
 
-def checkpoint_stream(root):
-    """(name, tensor) of every tensor of a checkpoint, file by file, as vLLM's safetensors iterator gives them."""
-    for f in sorted(root.glob("*.safetensors")):
-        with safe_open(f, "pt") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
-
-
 def plugin_model(h, out):
-    """A module tree holding one vLLM MoE layer per MoE layer of the checkpoint at ``model.layers.L.mlp.experts``,
-    built with the checkpoint's own quantization config."""
-    config = json.loads((out / "config.json").read_text())
-    qc = h.quant_config_of(out)
-    assert type(qc) is plugin.ExpqExpertsInt8Config
-    ck = ConvertedCheckpoint(out)
-    root = torch.nn.Module()
-    root.model = torch.nn.Module()
-    root.model.layers = torch.nn.ModuleList()
-    layers = {}
-    for L in range(max(ck.moe_layers) + 1):
-        block = torch.nn.Module()
-        block.mlp = torch.nn.Module()
-        if L in ck.moe_layers:
-            block.mlp.experts = h.moe_layer(config, qc, f"{out.parent.name}.model.layers.{L}.mlp.experts")
-            layers[L] = block.mlp.experts
-        root.model.layers.append(block)
+    """The checkpoint's vLLM MoE layers (``vllm_harness.plugin_model``), their config the plugin's own."""
+    root, layers, ck = h.plugin_model(out)
+    assert type(h.quant_config_of(out)) is plugin.ExpqExpertsInt8Config
     return root, layers, ck
+
+
+def checkpoint_stream(root):
+    import vllm_harness
+
+    return vllm_harness.checkpoint_stream(root)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

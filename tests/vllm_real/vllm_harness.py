@@ -155,3 +155,40 @@ def load_expert(layer, param_name: str, tensor: torch.Tensor, weight_name: str, 
     ``weight_loader``, or the online processing wrapper vLLM put on the parameter)."""
     param = getattr(layer, param_name)
     param.weight_loader(param, tensor, weight_name, shard_id=SHARD[proj], expert_id=expert)
+
+
+def checkpoint_stream(root: Path):
+    """(name, tensor) of every tensor of a checkpoint's shards, as vLLM's loader streams them."""
+    from safetensors import safe_open
+
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def plugin_model(out: Path, *, tag: str = "", params_dtype=torch.bfloat16):
+    """A module tree holding one vLLM MoE layer per MoE layer of the checkpoint at ``model.layers.L.mlp.experts``,
+    built with the checkpoint's own quantization config (``tag``: a unique part of the layer names, since vLLM
+    refuses a layer name twice). Returns (root, {layer: MoE layer}, the ConvertedCheckpoint)."""
+    import json
+
+    from expq.checkpoint import ConvertedCheckpoint
+
+    config = json.loads((out / "config.json").read_text())
+    qc = quant_config_of(out)
+    ck = ConvertedCheckpoint(out)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList()
+    layers = {}
+    name = f"{out.parent.name}.{tag}" if tag else out.parent.name
+    for L in range(max(ck.moe_layers) + 1):
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        if L in ck.moe_layers:
+            block.mlp.experts = moe_layer(config, qc, f"{name}.model.layers.{L}.mlp.experts",
+                                          params_dtype=params_dtype)
+            layers[L] = block.mlp.experts
+        root.model.layers.append(block)
+    return root, layers, ck
