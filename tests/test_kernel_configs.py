@@ -96,8 +96,9 @@ ISSUE13_SHAPES = {(8, 4096, 14336, 2), (128, 2048, 768, 8), (256, 7168, 2048, 8)
 
 def test_shipped_h200_table(monkeypatch):
     """The committed table (bench/tune_kernel.py on one H200, docs/benchmarks.md): readable as a whole, marked
-    measured, one entry per issue-13 point (3 shapes x 6 token buckets, bf16), each a valid config; and get_config
-    on an H200 returns its entries (the built-in default elsewhere)."""
+    measured, one entry per issue-13 point (3 shapes x 6 token buckets, bf16), and for the two shapes served by
+    bench/serve.py the batch sizes vLLM runs them at (16, 64, 256, 512, 2048 and 16384 tokens: issue 26), each a valid
+    config; and get_config on an H200 returns its entries (the built-in default elsewhere)."""
     path = tuned.CONFIG_DIR / "NVIDIA_H200.json"
     data = json.loads(path.read_text())
     assert data["measured"] is True and data["gpu"] == "NVIDIA H200"
@@ -110,8 +111,11 @@ def test_shipped_h200_table(monkeypatch):
         table = tuned.load_table("NVIDIA H200")
     shapes = {tuple(int(f.split("=")[1]) for f in k.split(",")[:4]) for k in table}
     assert shapes == ISSUE13_SHAPES
+    served = {tuned.shape_key(8, 4096, 14336, 2, "bfloat16"), tuned.shape_key(128, 2048, 768, 8, "bfloat16")}
     for key, rows in table.items():
-        assert key.endswith("dtype=bfloat16") and [b for b, _ in rows] == [1, 8, 32, 128, 1024, 4096]
+        issue13 = [1, 8, 32, 128, 1024, 4096]
+        want = sorted(issue13 + [16, 64, 256, 512, 2048, 16384]) if key in served else issue13
+        assert key.endswith("dtype=bfloat16") and [b for b, _ in rows] == want, key
     e, h, i, k = 8, 4096, 14336, 2
     entry = data["shapes"][tuned.shape_key(e, h, i, k, torch.bfloat16)]["1"]
     got = moe_mod.get_config(1, e, k, "cuda", hidden_size=h, intermediate_size=i, dtype=torch.bfloat16)

@@ -41,6 +41,7 @@ tests under each OpenBLAS kernel and numpy SIMD level this machine can emulate.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -757,3 +758,23 @@ def test_gemm2_split_k_clamps_to_k_blocks_and_the_partial_buffer():
     pairs = moe_mod.SPLIT_K_MAX_BYTES // (4 * 2048 * 4)  # exactly 4 splits fit
     assert moe_mod.gemm2_split_k(cfg, 4096, pairs, 2048) == 4
     assert moe_mod.gemm2_split_k(cfg, 4096, pairs + 1, 2048) == 2
+
+
+def test_token_counts_are_not_specialised_on():
+    """Every kernel argument that varies with the number of tokens is compiled unspecialised (a serving step with a
+    new batch size must not compile a new variant), and every argument left specialised is not one of them. Read in
+    a fresh interpreter without TRITON_INTERPRET (interpreted kernels have no compile-time parameters)."""
+    code = """
+import json
+from expq.kernels import fused_moe_triton as fmt
+names = ("fused_moe_w8a16_kernel", "moe_align_count_kernel", "moe_align_kernel", "moe_sum_kernel",
+         "moe_act_and_mul_kernel")
+print(json.dumps({n: [[p.name, bool(p.do_not_specialize)] for p in getattr(fmt, n).params] for n in names}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    token_dependent = {"EM", "num_valid_tokens", "numel", "max_padded"}
+    for name, params in json.loads(out.splitlines()[-1]).items():
+        names = {p for p, _ in params}
+        assert {p for p, unspecialised in params if unspecialised} == token_dependent & names, name
+    assert token_dependent <= set().union(*({p for p, _ in v} for v in json.loads(out.splitlines()[-1]).values()))

@@ -95,7 +95,16 @@ _CALLED_HELPERS = ("_act_and_mul", "_expert_bin")
 """The @triton.jit helpers the kernels call (their CPU twins call interpreted twins of them; see ``_twin``)."""
 
 
-@triton.jit
+# Token counts are never specialised on (Triton specialises integer arguments on == 1 and divisibility by 16): a
+# batch size met for the first time while serving must not compile a new variant (a compile in the middle of a
+# serving step; vLLM's jit_monitor warns about those). The sizes left specialised (N, strides) depend on the
+# weights only.
+TOKEN_COUNT_ARGS = {"fused_moe_w8a16_kernel": ("EM", "num_valid_tokens"),
+                    "moe_align_count_kernel": ("numel",),
+                    "moe_align_kernel": ("numel", "max_padded")}
+
+
+@triton.jit(do_not_specialize=TOKEN_COUNT_ARGS["fused_moe_w8a16_kernel"])
 def fused_moe_w8a16_kernel(
     # Pointers.
     a_ptr,  # activations, row r of the pair p = sorted_token_ids[i] is A[p // TOP_K]; [rows, K], act dtype
@@ -309,7 +318,7 @@ def moe_sum_kernel(
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TOKEN_COUNT_ARGS["moe_align_count_kernel"])
 def moe_align_count_kernel(
     topk_ids_ptr,  # [numel] int32 / int64 expert id of each (token, slot) pair
     chunk_counts_ptr,  # out int32 [num_programs, NB]: the histogram of chunk p's ids (bin num_experts: masked / bad)
@@ -326,7 +335,7 @@ def moe_align_count_kernel(
     tl.store(chunk_counts_ptr + pid * NB + tl.arange(0, NB), tl.histogram(ids, NB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TOKEN_COUNT_ARGS["moe_align_kernel"])
 def moe_align_kernel(
     topk_ids_ptr,  # [numel] int32 / int64 expert id of each (token, slot) pair
     sorted_token_ids_ptr,  # out int32 [max_padded]
