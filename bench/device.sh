@@ -24,7 +24,8 @@
 #   bash bench/device.sh convert28     # bench/convert.py on the GPU against the I/O floor, both output formats: bf16
 #                                      # Qwen3-30B-A3B (12 layers) and Mixtral-8x7B (4 layers), DeepSeek-V3 FP8 (2
 #                                      # layers), GPT-OSS-120B MXFP4 (4 layers); one run each (RUNS), 520 s in all,
-#                                      # at most ~35 GB of disk at a time (each model's files deleted after it)
+#                                      # at most ~35 GB of disk at a time (each model's files deleted after it);
+#                                      # MODELS overrides the list (e.g. "deepseek-v3:2 gpt-oss-120b:4")
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -128,7 +129,7 @@ case "${1:-}" in
       | tee "$OUT/gpu_tests_custom_op.log" | tail -5 || true
     vllm_env
     timeout 400 python3 bench/vllm_compare.py /tmp/vck --families "${VC_FAMILIES:-mixtral,qwen3_moe}" \
-      --runs online,converted,expq,marlin --parallel "${VC_PARALLEL:-3}" --budget 390 2>&1 | tail -20 || true
+      --runs "${VC_RUNS:-online,converted,expq,marlin}" --parallel "${VC_PARALLEL:-3}" --budget "${VC_BUDGET:-390}" 2>&1 | tail -20 || true
     cp /tmp/vck/vllm_compare.* "$OUT/" 2>/dev/null || true ;;
   issue12)
     vllm_env
@@ -174,8 +175,9 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
     fi
     export PYTHONPATH=$PWD:/tmp/conv-site
     mkdir -p "$OUT/convert28"
+    python3 -c "import expq.cpu_kernels as k; print('cpu kernel:', k.active(), k._import_error())" 2>&1 | tail -1
     deadline=$((SECONDS + ${BUDGET_S:-520}))
-    for m in qwen3-30b-a3b:12 mixtral-8x7b:4 deepseek-v3:2 gpt-oss-120b:4; do
+    for m in ${MODELS:-qwen3-30b-a3b:12 mixtral-8x7b:4 deepseek-v3:2 gpt-oss-120b:4}; do
       left=$((deadline - SECONDS))
       [ "$left" -gt 40 ] || { echo "convert28: no time left for $m"; break; }
       timeout "$left" python3 bench/convert.py --model "$m" --variants floor,expq-cuda,decode --runs "${RUNS:-1}" \

@@ -17,7 +17,9 @@ shape (``--shapes``):
              ``generate``;
   4. report  OUT/serve.json (everything, written after each serve: a cut-short invocation leaves what it measured)
              and OUT/serve.md (per shape: the median of the runs, min-max beside it; ``LLM()`` load seconds;
-             vLLM's "Model loading took" GiB; expq's kernel against the best other path and against vLLM's kernel
+             vLLM's "Model loading took" GiB; the Triton compiles vLLM's jit_monitor logged inside each timed run
+             (``jit_monitor_verbose``: a compile there is a latency spike in that run's figure); expq's kernel
+             against the best other path and against vLLM's kernel
              per workload; the MoE config vLLM's Triton paths pick per batch size, from vLLM's own functions, and
              what its log said it looked up).
 
@@ -278,7 +280,7 @@ def serve_path(shape: str, path: str, work: Path, out: Path, args, deadline: flo
     code, secs = child("_serve", spec, log_path, min(args.serve_timeout, deadline - time.monotonic()))
     res = load_state(Path(spec["result"]))
     text = log_path.read_text(errors="replace")
-    res.update(log_figures(text), wall_s=round(secs, 1))
+    res.update(log_figures(text), wall_s=round(secs, 1), jit_compiles=jit_compiles(text))
     if code == 0 and res.get("done"):
         res["status"] = "ok"
     else:
@@ -352,6 +354,8 @@ def serve(spec: dict) -> None:
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["trace_dir"],
                                  "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
                                  "torch_profiler_dump_cuda_time_total": False}
+    if _engine_arg("jit_monitor_verbose"):  # every Triton compile after vLLM's warm-up, logged (jit_compiles)
+        kw["jit_monitor_verbose"] = True
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=GPU_UTIL,
               max_model_len=MAX_MODEL_LEN, seed=0, **kw)
@@ -365,7 +369,9 @@ def serve(spec: dict) -> None:
     for r in range(spec["runs"]):
         for w in spec["workloads"]:
             n, p_len, o_len, _ = WORKLOADS[w]
+            print(f"{RUN_MARK} start {w} {r}", file=sys.stderr, flush=True)
             secs = generate(llm, prompts(n, p_len, vocab, seed=1000 * r + list(WORKLOADS).index(w)), o_len)
+            print(f"{RUN_MARK} end {w} {r}", file=sys.stderr, flush=True)
             res["runs"].setdefault(w, []).append(round(n * (o_len if o_len > 1 else p_len) / secs, 1))
             save()
     res["moe_configs"] = moe_configs(shape, spec)
@@ -374,6 +380,35 @@ def serve(spec: dict) -> None:
         res["profile"] = profile_decode(llm, vocab, spec["profile_steps"], Path(spec["trace_dir"]))
     res["done"] = True
     save()
+
+
+RUN_MARK = "[serve-run]"
+JIT_LINE = "JIT compilation during inference"
+
+
+def _engine_arg(name: str) -> bool:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        return name in EngineArgs.__dataclass_fields__
+    except (ImportError, AttributeError):
+        return False
+
+
+def jit_compiles(text: str) -> dict:
+    """{workload: [Triton compiles logged inside each timed run]} from a serve's log: vLLM's jit_monitor lines
+    (``jit_monitor_verbose``: one per compile) between the run's start and end marks. A compile inside a timed run
+    is a latency spike in that run's figure."""
+    found, current = {}, None
+    for line in text.splitlines():
+        if line.startswith(RUN_MARK):
+            _, what, w, _r = line.split()
+            current = w if what == "start" else None
+            if what == "start":
+                found.setdefault(w, []).append(0)
+        elif current is not None and JIT_LINE in line:
+            found[current][-1] += 1
+    return found
 
 
 def _triton_version():
@@ -561,7 +596,8 @@ def versions(state: dict) -> str:
 
 def shape_table(shape: str, results: dict) -> list[str]:
     ws = [w for w in WORKLOADS if any((r.get("runs") or {}).get(w) for r in results.values() if isinstance(r, dict))]
-    head = [SHAPES[shape]["title"]] + [WORKLOADS[w][3] for w in ws] + ["`LLM()` load s", "weights GiB", "status"]
+    head = [SHAPES[shape]["title"]] + [WORKLOADS[w][3] for w in ws] + ["`LLM()` load s", "weights GiB",
+                                                                       "Triton compiles in timed runs", "status"]
     lines = [f"## {SHAPES[shape]['title']}", "", "Output tokens/s (prefill: prompt tokens/s); median of the runs, "
              "min-max in brackets.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in PATHS:
@@ -569,7 +605,9 @@ def shape_table(shape: str, results: dict) -> list[str]:
         if not isinstance(res, dict):
             continue
         cells = [PATHS[p][3]] + [fmt_runs((res.get("runs") or {}).get(w)) for w in ws]
+        jit = res.get("jit_compiles") or {}
         cells += [str(res.get("load_s", "-")), str(res.get("model_gib", "-")),
+                  ", ".join(f"{w}: {'/'.join(map(str, jit[w]))}" for w in ws if w in jit) or "-",
                   res.get("status", "?") + (f": {res['error']}" if res.get("error") else "")]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines + [""]

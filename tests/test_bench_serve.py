@@ -103,8 +103,8 @@ def test_report(serve, tmp_path):
     serve.write_report(tmp_path, state)
     md = (tmp_path / "serve.md").read_text()
     assert json.loads((tmp_path / "serve.json").read_text()) == state
-    assert "| expq experts-int8, expq's kernel | 750 (740-760) | 40.0 | 8.36 | ok |" in md
-    assert "| expq compressed-tensors (Marlin) | - | - | - | skipped: budget (150 s needed) |" in md
+    assert "| expq experts-int8, expq's kernel | 750 (740-760) | 40.0 | 8.36 | - | ok |" in md
+    assert "| expq compressed-tensors (Marlin) | - | - | - | - | skipped: budget (150 s needed) |" in md
     assert "| 1 request (128 in, 256 out) | 750 | 700 (int8-vllm) | 1.07x | 1.07x |" in md
 
 
@@ -123,3 +123,19 @@ def test_budget_and_resume(serve, tmp_path):
     assert results["int8-expq"]["runs"] == {"16": [5000.0]}
     assert results["bf16"]["status"] == "skipped: budget (90 s needed)"
     assert "| expq experts-int8, expq's kernel | 5,000 |" in (out / "serve.md").read_text()
+
+
+def test_jit_compiles_counted_per_timed_run(serve):
+    """Compiles logged by vLLM's jit_monitor are attributed to the timed run they fall in (none outside a run, none
+    for a run without any), and the report shows them per workload."""
+    mon = "(EngineCore pid=7) WARNING 12-02 14:00:37 [jit_monitor.py:106] Triton kernel JIT compilation during " \
+          "inference: moe_align_kernel (key=abc)."
+    text = "\n".join([mon, f"{serve.RUN_MARK} start 1 0", f"{serve.RUN_MARK} end 1 0",
+                      f"{serve.RUN_MARK} start 16 0", mon, mon, f"{serve.RUN_MARK} end 16 0", mon,
+                      f"{serve.RUN_MARK} start 16 1", "INFO nothing", f"{serve.RUN_MARK} end 16 1",
+                      f"{serve.RUN_MARK} start 16 2", mon, f"{serve.RUN_MARK} end 16 2"])
+    assert serve.jit_compiles(text) == {"1": [0], "16": [2, 0, 1]}
+    res = {"int8-expq": {"runs": {"1": [600.0], "16": [2000.0, 7000.0, 6000.0]}, "status": "ok",
+                         "jit_compiles": serve.jit_compiles(text)}}
+    row = [x for x in serve.shape_table("mixtral", res) if x.startswith("| expq experts-int8, expq")]
+    assert row and "| 1: 0, 16: 2/0/1 |" in row[0]
