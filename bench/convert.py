@@ -1175,7 +1175,7 @@ def table(rows: list[dict], src_info: dict) -> str:
     lines = ["| variant | seconds | GB/s of source | x floor | peak RSS | peak GPU memory | peak disk | CPU s "
              "| cached |", "|---|---|---|---|---|---|---|---|---|"]
     labels = {"floor": "I/O floor", "naive": "naive converter", "llmc": "llm-compressor model_free_ptq",
-              "decode": "FP8 decoder alone"}
+              "decode": "source decoder alone"}
     for r in rows:
         label = labels.get(r["kind"], f"expq convert ({r['device']})" if r["kind"] == "expq" else
                            f"expq convert --stream ({r['device']})")
@@ -1196,6 +1196,7 @@ def table(rows: list[dict], src_info: dict) -> str:
         if r["kind"] == "stream":
             disk = f"{gb(r.get('stream_peak_bytes'), '')} report / {gb(r.get('disk_peak_sampled'), '')} sampled GB"
         if r["kind"] == "decode":
+            label = f"{str(r.get('source', '')).upper()} decoder alone".strip()
             label += (f" (read {r['read_s']:.2f} s, decode {r['decode_s']:.2f} s: "
                       f"{r['decode_ns_per_element']:.2f} ns/element on {CORES} cores)")
         if r.get("out_format"):
