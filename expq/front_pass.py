@@ -160,7 +160,8 @@ class FrontPass:
         src = job.tensor
         if not src.decoded or not job.expert.keeps_stored_rows:
             return None
-        amax = self.run.plan.source.decoder.row_absmax(src, parts.__getitem__)
+        row_absmax = getattr(self.run.plan.source.decoder, "row_absmax", None)  # (a decoder registered before it)
+        amax = row_absmax(src, parts.__getitem__) if row_absmax is not None else None
         if amax is None:
             return None
         amax = job.expert.to_rows(amax)[:, 0].to(self.run.plan.compute_dtype)
