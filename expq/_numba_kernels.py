@@ -165,6 +165,33 @@ def fp8_block_decode(w, s, out, values, br, bc, e, r0, r1):
                 dst[c] = t[src[c]]
 
 
+@njit(nogil=True, cache=True)
+def fp8_block_row_absmax(w, s, out, values, br, bc, e, r0, r1):
+    cols = w.shape[2]
+    nbc = s.shape[2]
+    bi = r0 // br
+    lut = np.empty((nbc, 128), np.uint16)  # |decoded value| bits of each magnitude code, per block of the row
+    for j in range(nbc):
+        sc = s[e, bi, j]
+        for b in range(128):
+            lut[j, b] = _bf16_bits(values[b] * sc) & np.uint16(0x7FFF)
+    for r in range(r0, r1):
+        src = w[e, r]
+        m = np.uint16(0)
+        for j in range(nbc):
+            blk = src[j * bc:min(cols, (j + 1) * bc)]
+            hi = np.uint8(0)
+            lo = np.uint8(127)
+            for c in range(blk.shape[0]):  # (over a slice, 8-bit selects: LLVM vectorizes it, 0.1 ns/element)
+                v = blk[c] & np.uint8(0x7F)
+                hi = v if v > hi else hi
+                lo = v if v < lo else lo
+            a = max(lut[j, hi], lut[j, lo])
+            if a > m:
+                m = a
+        out[e, r] = m
+
+
 # --- MXFP4 decode ----------------------------------------------------------------------------------------------------
 @njit(nogil=True, cache=True)
 def mxfp4_decode(blocks, scales, values, out, e, r0, r1):

@@ -11,7 +11,9 @@ with the same IEEE arithmetic in the same order, compiled by numba (LLVM) on fir
   redone by the caller's torch path (``scheme.quantize_matrix``), as before;
 * ``fp8_block_decode_into``: per 128x128 (or any) block, a 256-entry table of ``bf16(float32(code) * scale)`` for
   every FP8 byte (the same fp32 product, rounded once to nearest even; NaN as the canonical quiet NaN), then one
-  table look-up per element;
+  table look-up per element; ``fp8_block_row_absmax_into``: the row absmax of that decode without writing it (per
+  block of a row the largest and smallest magnitude code, looked up in the same table: the experts-int8 front
+  pass's scales of an FP8 source from one read of its bytes);
 * ``mxfp4_decode_into``: per 32-value block, the 16 values of its scale byte looked up (``decoders.mxfp4``'s exact
   integer table), written transposed in tiles of rows.
 
@@ -127,6 +129,28 @@ def fp8_block_decode_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, b
     """
     _kernels().fp8_block_decode(w.view(torch.uint8).numpy(), s.numpy(), _bits(out), fp8_values(w.dtype),
                                 block[0], block[1], e, r0, r1)
+
+
+def fp8_block_row_absmax_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int],
+                              e: int, r0: int, r1: int) -> None:
+    """``out[e, r] = max_c |bf16(float32(w[e, r, c]) * s[e, r // br, c // bc])|`` for rows ``r0:r1`` inside one
+    block row (NaN as the canonical quiet NaN, -0.0 as +0.0): bit for bit the row absmax of
+    ``fp8_block_decode_into``'s output, without writing it.
+
+    Per block of a row it takes the largest and the smallest magnitude code (``byte & 0x7F``) and looks both up
+    in a 128-entry table of ``|decoded|`` bits for the block's scale. That is exact for every scale: as a
+    function of the magnitude code (finite codes in increasing order, then E5M2's inf, then NaN) the decoded
+    magnitude never decreases for a finite scale (the product and the rounding to nearest even are monotonic; a
+    zero scale gives 0 for finite codes and NaN for inf and NaN), and for an infinite one it is NaN at code 0
+    (``0 * inf``) and never decreases above it (inf, then NaN); a NaN scale gives NaN everywhere. So the block's
+    largest magnitude is the larger of the two codes' entries (NaN's bits above every other).
+
+    Args:
+        w: float8 (e4m3fn or e5m2) [E, rows, cols] CPU; s: float32 [E, ceil(rows/br), ceil(cols/bc)];
+        out: bfloat16 [E, rows]; block: (br, bc).
+    """
+    _kernels().fp8_block_row_absmax(w.view(torch.uint8).numpy(), s.numpy(), _bits(out), fp8_values(w.dtype),
+                                    block[0], block[1], e, r0, r1)
 
 
 # --- MXFP4 decode -----------------------------------------------------------------------------------------------------

@@ -93,6 +93,12 @@ class ExpertTensor:
     def rows_per_matrix(self) -> int:
         return self.matrices[0].rows
 
+    @property
+    def keeps_stored_rows(self) -> bool:
+        """Each row ``to_rows`` gives is one stored row, whole (nothing transposed): then ``to_rows`` of any
+        per-stored-row quantity ``[..., rows, 1]`` (e.g. a row absmax) lines up with the matrices' rows."""
+        return self.extract is None or self.extract.orientation != "in_out"
+
     def to_rows(self, w: torch.Tensor) -> torch.Tensor:
         """The tensor's matrices stacked by rows, ``[sum of rows, cols]``, in ``matrices`` order.
 

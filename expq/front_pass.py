@@ -19,7 +19,7 @@ from . import cpu_kernels, parallel
 from .errors import NonFiniteError, OutputError
 from .io.safetensors import copy_bytes, map_tensor
 from .plan import Job, JobKind, OutTensor, Plan
-from .scheme import matrix_scales
+from .scheme import canonical_nan_, matrix_scales, scales_from_absmax
 
 if TYPE_CHECKING:
     from .output.shards import ShardSet
@@ -124,24 +124,48 @@ class FrontPass:
             return
         device = self._device(job)
         parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
-        t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
-            if src.decoded else parts[src.stored]
+        scales = self._decoded_scales(job, parts) if job.kind is JobKind.QUANTIZE and device.type == "cpu" else None
+        if scales is None:
+            t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
+                if src.decoded else parts[src.stored]
+            parts.clear()
+            if job.kind is JobKind.DECODE:
+                check_decoded(job, t, run.allow_nonfinite)
+                run.shards.write(job.outputs[0], t.cpu())
+                return
+            w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
+            del t
+            scales = matrix_scales(w)
+            del w
         del parts
-        if job.kind is JobKind.DECODE:
-            check_decoded(job, t, run.allow_nonfinite)
-            run.shards.write(job.outputs[0], t.cpu())
-            return
-        w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
-        del t
-        scales = matrix_scales(w)
-        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(w.shape)  # the codes: not part of the front
-        del w
+        # the codes: not part of the front
+        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(len(scales), job.matrices[0].cols)
         front = {o.name for o in run.front[index]}
         for group, tensors in zip(job.groups, plan.format.encode(stub, scales, job.expert.matrices)):
             outs = [o for o in group if o.value is None]
             for o, (_, x) in zip(outs, tensors):
                 if o.name in front:
                     run.shards.write(o, x.cpu())
+
+
+    def _decoded_scales(self, job: Job, parts: dict) -> torch.Tensor | None:
+        """The scales of a quantize job stored quantized, from the decoder's row absmax (``Decoder.row_absmax``:
+        the FP8 block decoder reads each byte once and writes no decoded tensor), where the decoder offers it and
+        the matrices' rows are stored rows; else None (the caller decodes).
+
+        The same bits as ``matrix_scales`` of the decoded rows in the compute dtype: the conversion from bf16 to the
+        compute dtype is monotonic in magnitude (exact to fp32; to fp16 rounded to nearest even, overflowing to
+        inf; NaN stays NaN), so the absmax of the converted row is the converted absmax; then the same scale
+        arithmetic (``scales_from_absmax``) and NaN stored canonical."""
+        src = job.tensor
+        if not src.decoded or not job.expert.keeps_stored_rows:
+            return None
+        row_absmax = getattr(self.run.plan.source.decoder, "row_absmax", None)  # (a decoder registered before it)
+        amax = row_absmax(src, parts.__getitem__) if row_absmax is not None else None
+        if amax is None:
+            return None
+        amax = job.expert.to_rows(amax)[:, 0].to(self.run.plan.compute_dtype)
+        return canonical_nan_(scales_from_absmax(amax))
 
 
 def run_copy(plan: Plan, job: Job, shards: ShardSet) -> None:

@@ -10,6 +10,16 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# expq's cache of transformers' parameter sizes (expq.formats.stock_model) in a folder of this session's, for this
+# process and every subprocess a test starts: tests never write into the user's ~/.cache.
+if "EXPQ_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["EXPQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="expq-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["EXPQ_CACHE_DIR"], ignore_errors=True)
+
 
 # Tests marked slow (a kill at every fsync, the CI recipe end to end, the kernel tuner end to end) run with
 # EXPQ_SLOW=1 only: `make test-slow` runs them, and CI runs it after `make test`.

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import expq
+from expq import cpu_kernels
 from expq.cli import app
 from expq.decoders import detect
 from expq.decoders.fp8_block import Fp8BlockDecoder
@@ -107,6 +108,34 @@ def test_convert_fp8_equals_convert_of_vendor_bf16(fp8_pair, tmp_path):
     for f in sorted(out1.glob("*.safetensors")):
         with safe_open(f, "pt") as s:
             assert not any(k.endswith("_scale_inv") for k in s.keys())
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float16", "float32"])
+def test_experts_int8_from_fp8_equals_from_vendor_bf16(fp8_pair, tmp_path, dtype, monkeypatch):
+    """experts-int8, whose front pass takes the scales of an FP8 source from the decoder's row absmax (one read of
+    the FP8 bytes, no decoded tensor; ``Fp8BlockDecoder.row_absmax``), writes the codes and scales the vendor's
+    bf16 converts to, byte for byte, in every compute dtype (the absmax converted to fp16 / fp32 first)."""
+    _, _, fp8_dir, vendor_dir = fp8_pair
+    used = []
+    row_absmax = Fp8BlockDecoder.row_absmax
+
+    def counted(self, tensor, read):
+        out = row_absmax(self, tensor, read)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Fp8BlockDecoder, "row_absmax", counted)
+    out1, out2 = tmp_path / "from-fp8", tmp_path / "from-vendor-bf16"
+    expq.convert(fp8_dir, out1, format="experts-int8", dtype=dtype, device="cpu", fsync=False)
+    expq.convert(vendor_dir, out2, format="experts-int8", dtype=dtype, device="cpu", fsync=False)
+    t1, t2 = read_tensors(out1), read_tensors(out2)
+    assert set(t1) == set(t2)
+    experts = {n for n in t1 if EXPERT.search(n)}
+    assert any(n.endswith("weight_scale") for n in experts) and any(n.endswith("weight_int8") for n in experts)
+    for n in experts:
+        assert raw_bytes(t1[n]) == raw_bytes(t2[n]), n
+    if cpu_kernels.active() == "numba":
+        assert any(used)  # the front pass took scales from the row absmax (where it claimed the job first)
 
 
 def test_decoded_tensors_are_not_called_byte_identical(fp8_pair, tmp_path):

@@ -5,6 +5,7 @@ the seed (tests/test_scheme.py) run on each path too (the ``cpu_path`` fixture).
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -129,6 +130,66 @@ def test_fp8_decode_paths_agree_bit_for_bit(fp8, block, shape, pooled, monkeypat
         assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16)), path
         assert (got[nan].view(torch.int16) == 0x7FC0).all(), path
     assert torch.equal(out["torch"].view(torch.int16), out["numba"].view(torch.int16))
+
+
+def narrow_blocks_case(fp8: torch.dtype, block: tuple[int, int] | None, shape: tuple[int, ...], seed: int = 0):
+    """FP8 codes whose magnitudes span a random range per (row, block) (a single code, ranges from code 0, ranges
+    up to the NaN and inf codes, and everything between; random signs), with scales that are mostly special:
+    0, -0, +-inf, NaN, negative, 1e-40 and 1e38, so that every (largest code, smallest code, scale) case of the
+    row absmax comes up."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, rows, cols = shape
+    br, bc = block if block is not None else (rows, cols)
+    nbc = -(-cols // bc)
+    lo = torch.randint(0, 128, (*lead, rows, nbc), generator=g)
+    lo[torch.rand(lo.shape, generator=g) < 0.3] = 0
+    width = (torch.rand(lo.shape, generator=g) * (128 - lo)).floor().long()
+    width[torch.rand(lo.shape, generator=g) < 0.2] = 0
+    hi_top = torch.rand(lo.shape, generator=g) < 0.2  # up to the top codes (inf, NaN)
+    width[hi_top] = 127 - lo[hi_top]
+    lo_e = lo.repeat_interleave(bc, -1)[..., :cols]
+    w_e = width.repeat_interleave(bc, -1)[..., :cols]
+    mag = lo_e + (torch.rand(lo_e.shape, generator=g) * (w_e + 1)).floor().long().clamp(max=w_e)
+    sign = (torch.rand(mag.shape, generator=g) < 0.5).long() << 7
+    codes = (mag | sign).to(torch.uint8).view(fp8)
+    sshape = (1,) if block is None else (*lead, -(-rows // br), nbc)
+    s = torch.logspace(-3, 3, math.prod(sshape), dtype=torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -0.5, 1e-40, 1e38])
+    pick = torch.randint(0, len(special), s.shape, generator=g)
+    s = torch.where(torch.rand(s.shape, generator=g) < 0.3, special[pick], s).view(sshape)
+    return codes, s
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("block,shape", [((128, 128), (300, 520)), ((16, 8), (3, 70, 50)), (None, (33, 65)),
+                                         ((4, 4), (64, 64)), ((2, 3), (5, 40, 31)), ((2, 64), (3, 2000, 50))])
+@pytest.mark.parametrize("case", ["every byte", "narrow blocks"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_fp8_row_absmax_is_the_decoded_rows_absmax(fp8, block, shape, case, pooled, monkeypatch):
+    """``Fp8BlockDecoder.row_absmax`` (the experts-int8 front pass's scales of an FP8 source: the largest and the
+    smallest magnitude code of each block looked up, no decoded tensor) equals the largest magnitude of each
+    decoded row, bit for bit (NaN canonical, -0 as +0), on every byte and every kind of scale; None on the torch
+    path, where the caller decodes."""
+    pytest.importorskip("numba")
+    codes, s = (fp8_case if case == "every byte" else narrow_blocks_case)(fp8, block, shape)
+    dec = Fp8BlockDecoder(block)
+    wi = _info("m.weight", {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}[fp8], tuple(codes.shape))
+    si = _info("m.weight_scale_inv", "F32", tuple(s.shape))
+    lt = LogicalTensor("m.weight", "BF16", tuple(codes.shape), (wi, si), decoded=True)
+    parts = {wi: codes, si: s}
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    assert dec.row_absmax(lt, parts.__getitem__) is None
+    decoded = dec.decode(lt, parts.__getitem__)  # the torch reference decode
+    ref = (decoded.view(torch.int16) & 0x7FFF).amax(dim=-1, keepdim=True)
+    monkeypatch.setenv(cpu_kernels.ENV, "numba")
+    with ThreadPoolExecutor(2) as pool, parallel.using(pool if pooled else None):
+        got = dec.row_absmax(lt, parts.__getitem__)
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 1)
+    assert torch.equal(got.view(torch.int16), ref)
+    kinds = {"nan": bool(torch.isnan(got).any()), "inf": bool(torch.isinf(got).any()),
+             "zero": bool((got == 0).any()), "finite": bool((torch.isfinite(got) & (got > 0)).any())}
+    if block is not None and block[1] >= shape[-1]:  # one block a row: each row is one (codes, scale) case
+        assert all(kinds.values()), kinds  # the data reach every kind of row
 
 
 def test_mxfp4_decode_paths_agree_on_every_scale_and_byte(monkeypatch):

@@ -119,6 +119,17 @@ class Decoder(Protocol):
         """
         ...
 
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+        """``|decode(tensor)|``'s maximum over the last dimension without the decoded tensor, where this format
+        can take it for less than a decode: ``[*tensor.shape[:-1], 1]`` in the decoded dtype on the CPU, bit for
+        bit the largest magnitude of each decoded row (NaN as the canonical quiet NaN, -0.0 as +0.0). None where
+        it is not offered (the caller decodes). The experts-int8 front pass takes the scales from it.
+
+        Raises:
+            SourceError: as ``decode``.
+        """
+        ...
+
 
 def source_quantization_config(config: dict) -> dict | None:
     """The source's ``quantization_config`` (top level, else a nested text config's), or None."""

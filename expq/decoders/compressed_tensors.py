@@ -252,6 +252,10 @@ class CompressedTensorsDecoder:
                 out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
         return out
 
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+        """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
+        return None
+
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Decompress one module's weight with its compressor's ``decompress`` (see the module docstring), by bands
         of rows over the conversion's thread pool (``_row_bands``: every row decompresses on its own, so the bands

@@ -231,6 +231,42 @@ class Fp8BlockDecoder:
             out = _decode_cpu(w3, s3, block, fused=False)
         return out.view(w.shape)
 
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+        """``|decode(tensor)|``'s maximum over the last dimension, [*shape[:-1], 1] bfloat16 on the CPU (NaN as
+        the canonical quiet NaN, -0.0 as +0.0), from one read of the FP8 bytes and without the decoded tensor
+        (``cpu_kernels.fp8_block_row_absmax_into``, one band of block rows at a time over the conversion's pool):
+        bit for bit the magnitude-bits maximum of ``decode(tensor)``'s rows. None where the fused kernels are not
+        active (the caller decodes instead).
+
+        Raises:
+            SourceError: as ``decode``.
+        """
+        if cpu_kernels.active() != "numba":
+            return None
+        if not tensor.decoded or len(tensor.parts) != 2:
+            raise SourceError("internal: not an FP8 weight with a scale", file=tensor.file, tensor=tensor.name)
+        wi, si = tensor.parts
+        w = read(wi)
+        if w.dtype != TORCH_DTYPES[wi.dtype]:
+            raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
+        s = read(si).to(torch.float32)
+        shape = (*tensor.shape[:-1], 1)
+        if w.numel() == 0:
+            return torch.zeros(shape, dtype=torch.bfloat16)  # no row, or rows without elements: the amax of none
+        w3, s3, (br, bc) = self._as_blocks(w, s)
+        E, rows, cols = w3.shape
+        out = torch.empty((E, rows), dtype=torch.bfloat16)
+        band = max(1, min(br, BAND_BYTES // max(1, cols)))
+
+        def one(er: tuple[int, int]) -> None:
+            e, r0 = er
+            cpu_kernels.fp8_block_row_absmax_into(w3, s3, out, (br, bc), e, r0, min(rows, r0 + band,
+                                                                                    (r0 // br + 1) * br))
+
+        parallel.each(one, [(e, r0) for e in range(E) for b0 in range(0, rows, br)
+                            for r0 in range(b0, min(rows, b0 + br), band)])
+        return out.view(shape)
+
     def _as_blocks(self, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """``w`` as [E, rows, cols], ``s`` as [E, ceil(rows/br), ceil(cols/bc)] fp32, and (br, bc); a per-tensor
         scale is one block covering the whole tensor."""

@@ -138,6 +138,10 @@ class Mxfp4Decoder:
             out[base] = LogicalTensor(base, "BF16", _logical_shape(ti, scales), (ti, scales), decoded=True, how=HOW)
         return out
 
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+        """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
+        return None
+
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Dequantize one MXFP4 tensor.
 

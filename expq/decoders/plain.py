@@ -34,6 +34,10 @@ class PlainDecoder:
         """Each stored tensor as it is."""
         return {name: LogicalTensor(name, ti.dtype, ti.shape, (ti,)) for name, ti in tensors.items()}
 
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+        """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
+        return None
+
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Never called: nothing is stored quantized. Raises SourceError if it is."""
         raise SourceError("internal: the plain decoder has nothing to decode", file=tensor.file, tensor=tensor.name)

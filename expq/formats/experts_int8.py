@@ -36,6 +36,7 @@ from ..experts import ExpertMap, Matrix, TensorLike
 from ..layouts import Layout
 from ..version import __version__
 from .base import ReadByName, TensorRole, TensorSpec
+from .stock_model import stock_parameter_sizes
 
 QUANT_METHOD = "expq_experts_int8"
 CODES, SCALE = "weight_int8", "weight_scale"
@@ -125,9 +126,10 @@ class ExpertsInt8Format:
         """Problems with the layer markers against the transformers model class of ``config`` (config.json as a
         dict): each marker must be a parameter that stock transformers loads, with elements, or stock transformers
         would not refuse the checkpoint (a custom layout's ``[runtime]`` module/weight that does not fit). Empty
-        when transformers cannot build the model at all (then it cannot load the checkpoint either)."""
+        when transformers cannot build the model at all (then it cannot load the checkpoint either). The parameter
+        sizes come from ``stock_model.stock_parameter_sizes`` (cached per config and transformers)."""
         markers = self._markers()
-        params = _stock_parameter_shapes(config)
+        params = stock_parameter_sizes(config, list(markers))
         if params is None:
             return []
         bad = [m for m in sorted(markers) if not params.get(m)]
@@ -188,19 +190,3 @@ class ExpertsInt8Format:
                        "(an empty tensor)")
         return bad
 
-
-def _stock_parameter_shapes(config: dict) -> dict[str, int] | None:
-    """name -> element count of every parameter of the transformers model ``config`` describes (built on the meta
-    device: no memory), or None if transformers cannot build it."""
-    try:
-        from transformers import AutoModelForCausalLM, PretrainedConfig
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
-        if not isinstance(cfg, PretrainedConfig):
-            return None
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except Exception:  # noqa: BLE001 - an unknown or remote-code model: stock transformers cannot load it either
-        return None
-    return {n: p.numel() for n, p in model.named_parameters()}

@@ -1,0 +1,181 @@
+"""Which parameters stock transformers' model class for a config.json has, and how many elements each holds
+(``stock_parameter_sizes``): what the experts-int8 format checks its layer markers against.
+
+The answer takes building transformers' model on the meta device: importing transformers and the model's module
+and constructing every layer, about 3 CPU s (more with a cold page cache), where the rest of a plan takes 0.01 s.
+It depends only on the config, the names asked about and the transformers installed, so it is kept in a small
+cache, one JSON file per question, under ``EXPQ_CACHE_DIR`` (default ``$XDG_CACHE_HOME/expq``, else
+``~/.cache/expq``; ``EXPQ_CACHE_DIR=off``: no cache). A hit imports no transformers at all.
+
+An entry holds its whole question (``key``: the canonical config JSON, the names, transformers' version, where it
+is installed and the size and time of its ``__init__.py``, torch's and Python's versions) beside the answer, and a
+sha256 over both. It is used only when it parses, the sha256 matches, its question is this one character for
+character and the answer has exactly the names asked about with non-negative integer counts; anything else (a
+file cut short, bits flipped, an entry copied to another file's name, a cache made by another transformers) is a
+miss: the answer is computed, as without a cache. A cache folder that cannot be created, read or written (read-only,
+full, not a folder) only means the answer is computed each time. An editable transformers (its files change
+without its version) is never cached, and neither is a model transformers cannot build (that may be passing).
+Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+CACHE_ENV = "EXPQ_CACHE_DIR"
+SCHEMA = "expq-stock-parameter-sizes/1"  # changes when what is computed or how the key is formed changes
+MAX_ENTRY_BYTES = 64 << 20  # an entry is the config and one count per name: far below this
+
+
+def cache_dir() -> Path | None:
+    """The folder of the cache: ``EXPQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/expq``, else ``~/.cache/expq``; None
+    when ``EXPQ_CACHE_DIR`` is ``off`` (or no home folder is known)."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    if env.lower() == "off":
+        return None
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is to be ignored
+        return Path(xdg) / "expq"
+    try:
+        return Path.home() / ".cache" / "expq"
+    except RuntimeError:  # no home folder to be found
+        return None
+
+
+def stock_parameter_sizes(config: dict, names: Sequence[str]) -> dict[str, int] | None:
+    """name -> element count, for each of ``names``, of that parameter of the transformers model ``config``
+    (config.json as a dict) describes; 0 for a name that is not one of its parameters. None when transformers
+    cannot build the model (an unknown or remote-code model type: stock transformers cannot load it either).
+
+    Cached (see the module docstring): a hit gives the answer computed the first time, which is the answer
+    computing it again gives.
+    """
+    names = sorted(set(names))
+    key = _key(config, names)
+    path = _entry_path(key)
+    if path is not None:
+        hit = _read(path, key, names)
+        if hit is not None:
+            return hit
+    params = _build(config)
+    if params is None:
+        return None
+    sizes = {n: params.get(n, 0) for n in names}
+    if path is not None:
+        _write(path, key, sizes)
+    return sizes
+
+
+def _build(config: dict) -> dict[str, int] | None:
+    """name -> element count of every parameter of the model (built on the meta device: no memory), or None."""
+    try:
+        from transformers import AutoModelForCausalLM, PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        if not isinstance(cfg, PretrainedConfig):
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001 - an unknown or remote-code model: stock transformers cannot load it either
+        return None
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+# --- the cache ---------------------------------------------------------------------------------------------------------
+def _transformers_identity() -> dict | None:
+    """What tells one installed transformers from another, found without importing it; None when that cannot be
+    told (not installed as a distribution, installed editable) and the answer must not be cached."""
+    import importlib.machinery
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("transformers")
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if not isinstance(direct, dict) or (direct.get("dir_info") or {}).get("editable"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec("transformers")  # on sys.path; sys.modules not consulted
+        if spec is None or not spec.origin:
+            return None
+        st = os.stat(spec.origin)
+    except Exception:  # noqa: BLE001 - broken metadata or finders: compute, never cache
+        return None
+    return {"version": dist.version, "origin": spec.origin, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _key(config: dict, names: list[str]) -> str | None:
+    """The question as canonical JSON (sorted keys, no spaces), or None when it cannot be cached."""
+    tf = _transformers_identity()
+    if tf is None:
+        return None
+    try:
+        return json.dumps({"schema": SCHEMA, "transformers": tf, "torch": torch.__version__,
+                           "python": list(sys.version_info[:2]), "config": config, "names": names},
+                          sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):  # not JSON data (a config dict built by hand)
+        return None
+
+
+def _entry_path(key: str | None) -> Path | None:
+    folder = cache_dir()
+    if key is None or folder is None:
+        return None
+    return folder / "stock-parameter-sizes" / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+
+def _digest(key: str, sizes: dict[str, int]) -> str:
+    body = json.dumps({"key": key, "sizes": sizes}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _read(path: Path, key: str, names: list[str]) -> dict[str, int] | None:
+    """The entry's answer when the entry is whole and answers exactly this question; else None."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_ENTRY_BYTES + 1)
+        if len(raw) > MAX_ENTRY_BYTES:
+            return None
+        entry = json.loads(raw)
+    except (OSError, ValueError, RecursionError):  # missing, unreadable, not JSON (UnicodeDecodeError included)
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key:
+        return None
+    sizes = entry.get("sizes")
+    if not isinstance(sizes, dict) or sorted(sizes) != names:
+        return None
+    if not all(type(v) is int and v >= 0 for v in sizes.values()):
+        return None
+    if entry.get("sha256") != _digest(key, sizes):
+        return None
+    return sizes
+
+
+def _write(path: Path, key: str, sizes: dict[str, int]) -> None:
+    """Store the entry (a temporary file renamed into place); any failure leaves the cache as it was."""
+    data = json.dumps({"key": key, "sizes": sizes, "sha256": _digest(key, sizes)}, sort_keys=True).encode()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:  # read-only, full, not a folder: the answer stands, uncached
+        pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

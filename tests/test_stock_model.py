@@ -1,0 +1,216 @@
+"""The cache of transformers' parameter sizes behind the experts-int8 marker check (``expq.formats.stock_model``):
+a warm cache gives the verdict a cold one gives, without transformers; an entry that is damaged, forged or
+answers another question is never used; a cache folder that cannot be written (or is not a folder) changes
+nothing but the time taken; the folder follows ``EXPQ_CACHE_DIR`` and ``XDG_CACHE_HOME``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import example
+
+import expq
+from expq.errors import LayoutError
+from expq.formats.stock_model import CACHE_ENV, cache_dir, stock_parameter_sizes
+
+BAD_MARKER = r"marker model\.layers\.0\.mlp\.experts\.bogus_proj .*random experts"
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """(source, config, the right layout file, a layout whose markers transformers' model does not have)."""
+    src = example(tmp_path_factory, "mixtral")
+    d = tmp_path_factory.mktemp("layouts")
+    good = (Path(expq.__file__).parent / "configs" / "mixtral.toml").read_text()
+    assert 'forward = "topk"\n' in good
+    (d / "good.toml").write_text(good)
+    (d / "bogus.toml").write_text(good.replace('forward = "topk"\n', 'forward = "topk"\nweight = "bogus_proj"\n', 1))
+    return src, json.loads((src / "config.json").read_text()), d / "good.toml", d / "bogus.toml"
+
+
+def markers(src: Path, good: Path) -> tuple[list[str], list[str]]:
+    """The layer markers an experts-int8 conversion with the right layout writes (the plan's
+    quantization_config), and those the bogus layout would write."""
+    from expq.plan import make_plan
+    from expq.source import resolve_source
+
+    right = make_plan(resolve_source(src), layout=good, format="experts-int8").quantization_config()["markers"]
+    return right, [m.rpartition(".")[0] + ".bogus_proj" for m in right]
+
+
+def verdict(src: Path, layout: Path) -> str:
+    """``ok`` or the LayoutError of planning an experts-int8 conversion of ``src`` with ``layout``."""
+    try:
+        expq.inspect(src, layout=layout, format="experts-int8")
+    except LayoutError as e:
+        return str(e)
+    return "ok"
+
+
+def entries(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_transformers(monkeypatch):
+    """``import transformers`` fails (as where it is not installed): only a cache hit can answer."""
+    def block():
+        monkeypatch.setitem(sys.modules, "transformers", None)
+    return block
+
+
+def reference_sizes(config: dict, names: list[str]) -> dict[str, int]:
+    """transformers' model built on the meta device here, literally: each name's element count, 0 if absent."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    params = dict(model.named_parameters())
+    return {n: params[n].numel() if n in params else 0 for n in names}
+
+
+def test_a_warm_cache_gives_the_cold_verdict_without_transformers(mixtral, tmp_path, monkeypatch, no_transformers):
+    src, config, good, bogus = mixtral
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    right, wrong = markers(src, good)
+    names = right + wrong
+    want = reference_sizes(config, names)
+    assert len(right) >= 2 and all(want[n] > 0 for n in right) and all(want[n] == 0 for n in wrong)
+    assert stock_parameter_sizes(config, names) == want  # cold: computed, stored
+    assert verdict(src, good) == "ok"
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+    assert len(entries(tmp_path / "cache")) == 3  # one per question: these names, the good and the bogus markers
+
+    no_transformers()
+    assert stock_parameter_sizes(config, names) == want  # warm: the stored answer, no transformers needed
+    assert verdict(src, good) == "ok"
+    assert re.search(BAD_MARKER, verdict(src, bogus))  # the bad layout still fails from the cache
+    # negative control: without the cache and without transformers the check cannot tell (it passes everything)
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert stock_parameter_sizes(config, names) is None and verdict(src, bogus) == "ok"
+
+
+DAMAGES = {
+    "garbage": lambda raw, other: b"\x00\xff not json",
+    "empty": lambda raw, other: b"",
+    "cut short": lambda raw, other: raw[: len(raw) // 2],
+    "one bit flipped": lambda raw, other: raw.replace(b'"sizes": {"model.layers.0.mlp.experts.bogus_proj": 0',
+                                                      b'"sizes": {"model.layers.0.mlp.experts.bogus_proj": 1'),
+    "another question's entry": lambda raw, other: other,
+    "not a dict": lambda raw, other: b"[1, 2, 3]",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_or_foreign_entry_is_never_used(mixtral, tmp_path, monkeypatch, no_transformers, damage):
+    """The bogus layout's entry damaged, or replaced by the good layout's entry (whole and self-consistent, but
+    the answer to another question: it says every marker has elements): still refused, and the entry is rewritten
+    right (a later hit without transformers refuses too)."""
+    src, config, good, bogus = mixtral
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "bad"))
+    assert verdict(src, bogus) != "ok"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "good"))
+    assert verdict(src, good) == "ok"
+    (bad_name, raw), = entries(tmp_path / "bad").items()
+    (_, other), = entries(tmp_path / "good").items()
+    damaged = DAMAGES[damage](raw, other)
+    assert damaged != raw
+    (tmp_path / "bad" / bad_name).write_bytes(damaged)
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "bad"))
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+    assert entries(tmp_path / "bad") == {bad_name: raw}  # rewritten as it was
+    no_transformers()
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+
+
+def test_an_entry_from_another_transformers_is_a_miss(mixtral, tmp_path, monkeypatch):
+    """The question names transformers' version and files: an entry whose key says another version is not used,
+    even with a matching sha256 (a cache shared by two environments)."""
+    import hashlib
+
+    src, config, good, bogus = mixtral
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "c"))
+    assert verdict(src, bogus) != "ok"
+    (name, raw), = entries(tmp_path / "c").items()
+    entry = json.loads(raw)
+    key = json.loads(entry["key"])
+    key["transformers"]["version"] = "0.0.1"
+    sizes = {n: 7 for n in entry["sizes"]}  # that other transformers' (made up) answer: every marker a weight
+    entry["key"] = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    entry["sizes"] = sizes
+    entry["sha256"] = hashlib.sha256(json.dumps({"key": entry["key"], "sizes": sizes}, sort_keys=True,
+                                                separators=(",", ":")).encode()).hexdigest()
+    (tmp_path / "c" / name).write_text(json.dumps(entry))
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """``folder`` made read-only: mode 0o555 for a user, the immutable attribute for root (whom modes do not stop;
+    skipped where chattr is not allowed)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    r = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"root, and chattr +i is not allowed here: {r.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_read_only_cache_folder(mixtral, tmp_path, monkeypatch, no_transformers):
+    src, config, good, bogus = mixtral
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    assert verdict(src, good) == "ok"
+    folder = cache / "stock-parameter-sizes"
+    before = entries(cache)
+    with read_only(folder):
+        with pytest.raises(OSError):
+            (folder / "probe").write_text("x")
+        assert re.search(BAD_MARKER, verdict(src, bogus))  # a miss: computed, not stored
+        assert entries(cache) == before
+        no_transformers()
+        assert verdict(src, good) == "ok"  # a hit: read from the read-only folder
+        assert stock_parameter_sizes(config, markers(src, good)[0]) is not None
+
+
+def test_a_cache_path_that_is_not_a_folder(mixtral, tmp_path, monkeypatch):
+    src, config, good, bogus = mixtral
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))
+    assert verdict(src, good) == "ok"
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_the_cache_folder_follows_the_environment(mixtral, tmp_path, monkeypatch):
+    src, config, good, _ = mixtral
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "xdg" / "expq"
+    assert verdict(src, good) == "ok"
+    assert list(entries(tmp_path / "xdg" / "expq")) and not (tmp_path / "home").exists()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative values are ignored
+    assert cache_dir() == tmp_path / "home" / ".cache" / "expq"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert cache_dir() is None
+    assert verdict(src, good) == "ok" and not (tmp_path / "home").exists()
