@@ -27,6 +27,7 @@ import torch
 
 from .. import cpu_kernels, parallel
 from ..errors import SourceError
+from ..io import buffers
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from ..scheme import canonical_nan_
 from .base import LogicalTensor, ReadFn, source_quantization_config
@@ -246,7 +247,7 @@ def _decode_cpu(w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int], fuse
     ``BAND_BYTES`` of fp32), fused kernel or torch ops."""
     E, rows, cols = w3.shape
     br, bc = block
-    out = torch.empty(w3.shape, dtype=torch.bfloat16)
+    out = buffers.empty(w3.shape, torch.bfloat16)  # a conversion's pool: reused once nothing holds it
     band = max(1, min(br, BAND_BYTES // max(1, 4 * cols)))
     if parallel.pool() is None and not fused:
         band = br  # in turn in this thread: whole block rows
