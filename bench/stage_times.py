@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import shutil
 import sys
 import threading
@@ -80,6 +81,47 @@ def timed_kernel(name: str, elements) -> None:
 POOLS: list = []
 
 
+class ThreadCpu:
+    """CPU seconds of each thread of the process, sampled every ``period`` seconds while the conversion runs (a
+    thread's last fraction of a period before it ends is not seen), summed by thread name (numbers dropped)."""
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.last, self.names = period, {}, {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="stage-times-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        for t in threading.enumerate():
+            if t.ident is None or t is self.thread:
+                continue
+            try:
+                self.last[t] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                self.names[t] = re.sub(r"[_-]?\d+$", "", t.name)
+            except (OSError, ProcessLookupError):
+                pass
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> "ThreadCpu":
+        self._sample()
+        self.start = dict(self.last)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._sample()
+
+    def by_name(self) -> dict[str, float]:
+        out: collections.Counter = collections.Counter()
+        for t, v in self.last.items():
+            out[self.names[t]] += v - self.start.get(t, 0.0)
+        return dict(out.most_common())
+
+
 def counted_pool(pool_class):
     def make(*a, **k):
         POOLS.append(pool_class(*a, **k))
@@ -120,7 +162,8 @@ def main() -> None:
         ACC.clear()
         POOLS.clear()
         t, c = time.perf_counter(), time.process_time()
-        rep = expq.api.convert(args.src, args.out, device=args.device, format=args.format)
+        with ThreadCpu() as threads:
+            rep = expq.api.convert(args.src, args.out, device=args.device, format=args.format)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         print(f"run {i + 1}: {rep.bytes_in / 1e9:.2f} GB in, {wall:.2f} s wall, {cpu:.2f} s CPU (process), "
               f"{rep.bytes_in / wall / 1e9:.2f} GB/s")
@@ -133,6 +176,7 @@ def main() -> None:
             n = ACC[(stage, "elements")]
             print(f"  {stage:40s} {ACC[(stage, 'kcpu')]:8.2f} CPU s, {int(ACC[(stage, 'kcalls')])} calls, "
                   f"{n / 1e9:.2f} G elements: {ACC[(stage, 'kcpu')] / max(n, 1) * 1e9:.3f} ns/element per core")
+        print("  CPU s by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in threads.by_name().items()))
         for p in POOLS:
             print(f"  buffer pool: {p.mapped} buffers mapped ({p.mapped_bytes / 1e9:.2f} GB), {p.reused} reused")
         sys.stdout.flush()

@@ -195,8 +195,8 @@ class Fp8BlockDecoder:
 
         ``out[..., r, c] = bf16(float32(w[..., r, c]) * float32(scale[..., r // br, c // bc]))``: one fp32 multiply,
         one rounding to bf16 (nearest even); a NaN product is stored as the canonical quiet NaN (0x7FC0). On a CPU
-        the fused kernel (``cpu_kernels.fp8_block_decode_into``: a 256-entry table per block, one look-up per
-        element) or torch ops, one band of block rows at a time over the conversion's pool; on a GPU torch ops over
+        the fused kernel (``cpu_kernels.fp8_block_decode_into``: each byte's float32 value from its bits, the
+        product and the rounding, vectorized) or torch ops, one band of block rows at a time over the conversion's pool; on a GPU torch ops over
         the whole tensor. Peak host memory is the stored weight, the bf16 result and (torch on a CPU) one fp32 band
         of block rows (about 64 MiB).
 

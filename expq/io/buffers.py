@@ -46,7 +46,7 @@ class Pool:
             result that depended on what a buffer held before would show).
 
     Attributes (counts since creation, for tests and benchmarks): ``mapped`` (new buffers), ``reused``,
-    ``mapped_bytes``.
+    ``mapped_bytes``, ``unmapped_bytes`` (of free buffers past ``max_free``).
     """
 
     def __init__(self, max_free: int, poison: int | None = None):
@@ -57,7 +57,7 @@ class Pool:
         # buffers given back: appended by the finalizers, from whichever thread drops the last reference (a
         # deque's append is atomic; the finalizer never takes the lock, so it may run anywhere, even under it)
         self._back: collections.deque[mmap.mmap] = collections.deque()
-        self.mapped = self.reused = self.mapped_bytes = 0
+        self.mapped = self.reused = self.mapped_bytes = self.unmapped_bytes = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (its contents undefined), from a buffer nobody holds, or a new one."""
@@ -67,10 +67,11 @@ class Pool:
                 self._free.append(buf)
                 self._free_bytes += len(buf)
             while self._free_bytes > self.max_free:
-                self._free_bytes -= len(self._free.pop(0))
-            # the smallest free buffer that holds nbytes and is not much larger (a model's large tensors come in
-            # a few sizes: each size reuses its own buffers)
-            fits = [b for b in self._free if nbytes <= len(b) <= nbytes + nbytes // 4 + GRAIN]
+                n = len(self._free.pop(0))
+                self._free_bytes -= n
+                self.unmapped_bytes += n
+            # the smallest free buffer that holds nbytes and is at most about twice as large
+            fits = [b for b in self._free if nbytes <= len(b) <= 2 * nbytes + GRAIN]
             buf = min(fits, key=len) if fits else None
             if buf is not None:
                 self._free.remove(buf)
