@@ -42,8 +42,8 @@ class Pool:
 
     Args:
         max_free: bytes of buffers kept for reuse at most (past that, the oldest returned are unmapped).
-        poison: if set, every reused buffer is filled with this byte before it is handed out again (tests: a
-            result that depended on what a buffer held before would show).
+        poison: if set, every buffer is filled with this byte before it is handed out (tests: a result that
+            depended on what a buffer held before, or on fresh memory being zero, would show).
 
     Attributes (counts since creation, for tests and benchmarks): ``mapped`` (new buffers), ``reused``,
     ``mapped_bytes``, ``unmapped_bytes`` (of free buffers past ``max_free``).
