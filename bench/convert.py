@@ -74,8 +74,9 @@ maximum (memory, disk) of ``--runs`` runs:
   outside, the largest allocated size (``st_blocks``) of everything under the run's folder (``HF_HOME`` and OUT with
   its staging), sampled every 0.1 s. If ``expq.api.convert`` has no ``stream`` parameter, the row says "not
   available" and the rest runs.
-* ``decode`` (quantized sources): expq's decoder alone on the conversion's thread pool: read every quantized
-  weight and its scales, ``decode`` to bf16; ns per element of decoded output (wall time of the decode calls).
+* ``decode`` (quantized sources): expq's decoder alone on the conversion's thread pool and buffer pool: read
+  every quantized weight and its scales, ``decode`` to bf16; ns per element of decoded output (wall time of the
+  decode calls).
 
 How each figure is measured:
 
@@ -678,15 +679,20 @@ with open(os.environ["BENCH_GPU_STATS"], "w") as f:
 """
 
 DECODE = r"""
-import sys, json, time
+import contextlib, sys, json, time
 t = time.perf_counter()
 import torch  # noqa: F401
 from expq import cpu_kernels, pipeline
 from expq.source import open_source
+try:  # the conversion's buffer pool (reads and decoded outputs reused, as run_plan does), where expq has one
+    from expq.io import buffers
+    pooled = buffers.using(buffers.Pool(pipeline.BUFFER_POOL_FREE))
+except ImportError:
+    pooled = contextlib.nullcontext()
 src = open_source(sys.argv[1])
 t_read = t_dec = 0.0
 elements = 0
-with pipeline.cpu_threads(True):  # torch single-threaded, the decoders' bands on one thread per core
+with pipeline.cpu_threads(True), pooled:  # torch single-threaded, the decoders' bands on one thread per core
     for lt in src.logical.values():
         if not lt.decoded:
             continue

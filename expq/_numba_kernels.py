@@ -146,23 +146,66 @@ def quantize_f32(x, codes, amax, scales, r0, r1, with_codes):
 
 
 # --- FP8 block decode ------------------------------------------------------------------------------------------------
+_E4M3_SUB = np.float32(2.0 ** -9)  # an E4M3 subnormal is m * 2**-9 (exponent field 0, mantissa m of 3 bits)
+_E5M2_SUB = np.float32(2.0 ** -16)  # an E5M2 subnormal is m * 2**-16 (mantissa m of 2 bits)
+_F32_QNAN = np.uint32(0x7FC00000)
+
+
+@njit(inline="always")
+def _e4m3_f32(b):
+    """An F8_E4M3 (``float8_e4m3fn``) byte -> its float32 value, exactly: a normal byte's exponent rebiased (7 ->
+    127) and its mantissa moved up; a subnormal one (exponent field 0) as ``m * 2**-9``; 0x7F / 0xFF are NaN (the
+    format has no infinity). Selects, no branch: the loop vectorizes."""
+    em = np.uint32(b & np.uint8(0x7F))
+    sign = np.uint32(b & np.uint8(0x80)) << np.uint32(24)
+    sub = _u32(np.float32(em) * _E4M3_SUB)
+    bits = sub if em < np.uint32(8) else (em << np.uint32(20)) + np.uint32(120 << 23)
+    bits = _F32_QNAN if em == np.uint32(0x7F) else bits
+    return _f32(bits | sign)
+
+
+@njit(inline="always")
+def _e5m2_f32(b):
+    """An F8_E5M2 byte -> its float32 value, exactly: exponent rebiased (15 -> 127), subnormals ``m * 2**-16``,
+    exponent field 31 infinity (mantissa 0) or NaN."""
+    em = np.uint32(b & np.uint8(0x7F))
+    sign = np.uint32(b & np.uint8(0x80)) << np.uint32(24)
+    sub = _u32(np.float32(em) * _E5M2_SUB)
+    bits = sub if em < np.uint32(4) else (em << np.uint32(21)) + np.uint32(112 << 23)
+    bits = np.uint32(0x7F800000) if em == np.uint32(0x7C) else bits
+    bits = _F32_QNAN if em > np.uint32(0x7C) else bits
+    return _f32(bits | sign)
+
+
+@njit(inline="always")
+def _row_scales(s, e, bi, bc, cols):
+    """The block scales of block row ``bi`` spread over the columns: float32 [cols]."""
+    srow = np.empty(cols, np.float32)
+    for c in range(cols):
+        srow[c] = s[e, bi, c // bc]
+    return srow
+
+
 @njit(nogil=True, cache=True)
-def fp8_block_decode(w, s, out, values, br, bc, e, r0, r1):
+def fp8_e4m3_block_decode(w, s, out, br, bc, e, r0, r1):
     cols = w.shape[2]
-    nbc = s.shape[2]
-    bi = r0 // br
-    lut = np.empty((nbc, 256), np.uint16)
-    for j in range(nbc):
-        sc = s[e, bi, j]
-        for b in range(256):
-            lut[j, b] = _bf16_bits(values[b] * sc)
+    srow = _row_scales(s, e, r0 // br, bc, cols)
     for r in range(r0, r1):
         src = w[e, r]
         dst = out[e, r]
-        for j in range(nbc):
-            t = lut[j]
-            for c in range(j * bc, min(cols, (j + 1) * bc)):
-                dst[c] = t[src[c]]
+        for c in range(cols):
+            dst[c] = _bf16_bits(_e4m3_f32(src[c]) * srow[c])
+
+
+@njit(nogil=True, cache=True)
+def fp8_e5m2_block_decode(w, s, out, br, bc, e, r0, r1):
+    cols = w.shape[2]
+    srow = _row_scales(s, e, r0 // br, bc, cols)
+    for r in range(r0, r1):
+        src = w[e, r]
+        dst = out[e, r]
+        for c in range(cols):
+            dst[c] = _bf16_bits(_e5m2_f32(src[c]) * srow[c])
 
 
 @njit(nogil=True, cache=True)

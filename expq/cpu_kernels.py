@@ -9,11 +9,13 @@ with the same IEEE arithmetic in the same order, compiled by numba (LLVM) on fir
   rounded to the compute dtype ``d`` (bf16: round to nearest even on the bits; fp16: LLVM's ``fptrunc`` to half),
   ``rint`` (half to even), clamp to [-127, 127], int8. Rows whose scale is 0 or not finite get code 0 here and are
   redone by the caller's torch path (``scheme.quantize_matrix``), as before;
-* ``fp8_block_decode_into``: per 128x128 (or any) block, a 256-entry table of ``bf16(float32(code) * scale)`` for
-  every FP8 byte (the same fp32 product, rounded once to nearest even; NaN as the canonical quiet NaN), then one
-  table look-up per element; ``fp8_block_row_absmax_into``: the row absmax of that decode without writing it (per
-  block of a row the largest and smallest magnitude code, looked up in the same table: the experts-int8 front
-  pass's scales of an FP8 source from one read of its bytes);
+* ``fp8_block_decode_into``: per element, the FP8 byte's exact float32 value from its bits (exponent rebiased,
+  subnormals as ``m * 2**-9`` / ``2**-16``, NaN and infinity as the format has them), times its block's scale in
+  fp32, rounded once to bf16 (nearest even; NaN as the canonical quiet NaN): the torch reference's arithmetic, in
+  selects only, so that LLVM vectorizes the row (about 2.5 times the speed of a 256-entry table look-up per element);
+* ``fp8_block_row_absmax_into``: the row absmax of that decode without writing it (per block of a row the largest
+  and smallest magnitude code, looked up in a table of the block's decoded values: the experts-int8 front pass's
+  scales of an FP8 source from one read of its bytes);
 * ``mxfp4_decode_into``: per 32-value block, the 16 values of its scale byte looked up (``decoders.mxfp4``'s exact
   integer table), written transposed in tiles of rows.
 
@@ -113,12 +115,6 @@ def quantize_rows_into(w: torch.Tensor, codes: torch.Tensor | None, amax: torch.
 
 
 # --- FP8 block decode -------------------------------------------------------------------------------------------------
-@cache
-def fp8_values(dtype: torch.dtype) -> np.ndarray:
-    """fp32 [256]: the value of every byte as ``dtype`` (float8_e4m3fn or float8_e5m2), converted by torch."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy().copy()
-
-
 def fp8_block_decode_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int],
                           e: int, r0: int, r1: int) -> None:
     """``out[e, r0:r1] = bf16(float32(w[e, r0:r1]) * s[e, r // br, c // bc])``; rows ``r0:r1`` inside one block row.
@@ -127,8 +123,9 @@ def fp8_block_decode_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, b
         w: float8 (e4m3fn or e5m2) [E, rows, cols] CPU; s: float32 [E, ceil(rows/br), ceil(cols/bc)];
         out: bfloat16 [E, rows, cols]; block: (br, bc).
     """
-    _kernels().fp8_block_decode(w.view(torch.uint8).numpy(), s.numpy(), _bits(out), fp8_values(w.dtype),
-                                block[0], block[1], e, r0, r1)
+    k = _kernels()
+    kernel = {torch.float8_e4m3fn: k.fp8_e4m3_block_decode, torch.float8_e5m2: k.fp8_e5m2_block_decode}[w.dtype]
+    kernel(w.view(torch.uint8).numpy(), s.numpy(), _bits(out), block[0], block[1], e, r0, r1)
 
 
 def fp8_block_row_absmax_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int],

@@ -36,6 +36,7 @@ import torch
 from . import parallel
 from .errors import NonFiniteError
 from .interrupts import StopSignal
+from .io import buffers
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan
 from .scheme import quantize_matrix
@@ -48,6 +49,9 @@ PIPELINE_BYTES = 1 << 30
 larger than this goes through alone). Peak memory is about this per device plus the tensor being computed."""
 QUEUE_DEPTH = 2
 """Jobs waiting between two stages of a pipeline."""
+BUFFER_POOL_FREE = 512 << 20
+"""A CPU conversion's large host tensors (bytes read, decoded weights, codes) come from one pool of buffers
+(``io.buffers``) that keeps at most this many bytes of buffers nobody holds: reused, they fault no pages."""
 
 
 class SourceFeeder(Protocol):
@@ -326,8 +330,12 @@ class _DevicePipeline:
         plan, job = self.run.plan, item.job
         et = job.expert
         t = self._logical(item)
-        w = et.to_rows(t.to(self.device, non_blocking=True).to(plan.compute_dtype)).contiguous()
+        w = et.to_rows(t.to(self.device, non_blocking=True))
         del t
+        if self.cuda or (w.dtype == plan.compute_dtype and w.is_contiguous()):
+            w = w.to(plan.compute_dtype).contiguous()
+        else:  # the cast and the copy of a CPU tensor in one pass, into a buffer of the pool
+            w = buffers.empty(w.shape, plan.compute_dtype).copy_(w)
         codes, scales, rep = quantize_matrix(w)
         del w
         item.rows_found = _rows_found(job, rep, plan, self.run.allow_nonfinite)
@@ -472,7 +480,8 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
     if feeder is None:
         run.front = front_outputs(plan, todo)
     front = FrontPass(run, units, devices) if run.front else None
-    with cpu_threads(any(d.type == "cpu" for d in devices)):
+    cpu = any(d.type == "cpu" for d in devices)
+    with cpu_threads(cpu), buffers.using(buffers.Pool(BUFFER_POOL_FREE) if cpu else None):
         _run_pipelines(run, pipes, shards, feeder, on_progress, front)
     for p in pipes:
         key = str(p.device)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_kernels, parallel
+from .io import buffers
 from .options import DTYPE_ALIASES, DTYPE_NAMES
 
 INT8_MAX = 127
@@ -220,7 +221,10 @@ def _quantize(w: torch.Tensor, block_elems: int | None, with_codes: bool):
     if block_elems is None:
         block_elems = CPU_BLOCK_ELEMS if w.device.type == "cpu" else rows * cols
     step = max(1, block_elems // max(cols, 1))
-    codes = torch.empty((rows, cols), dtype=torch.int8, device=w.device) if with_codes else None
+    codes = None
+    if with_codes:  # on a CPU from the pool in use (a conversion's: reused once written and hashed)
+        codes = buffers.empty((rows, cols), torch.int8) if w.device.type == "cpu" else \
+            torch.empty((rows, cols), dtype=torch.int8, device=w.device)
     amax = torch.empty(rows, dtype=w.dtype, device=w.device)
     scales = torch.empty(rows, dtype=w.dtype, device=w.device)
     fused = w.device.type == "cpu" and w.is_contiguous() and cpu_kernels.active() == "numba"

@@ -49,6 +49,7 @@ import torch
 
 from .. import parallel
 from ..errors import SourceError
+from ..io import buffers
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
 
@@ -296,7 +297,7 @@ class CompressedTensorsDecoder:
         bands = _row_bands(state, tensor.shape)
         if len(bands) == 1:
             return self._decompress(compressor, state, g, tensor).to(dtype).contiguous()
-        out = torch.empty(tensor.shape, dtype=dtype)
+        out = buffers.empty(tensor.shape, dtype)  # a conversion's pool, if any
 
         def band(b: tuple[int, int, dict]) -> None:
             r0, r1, cut = b

@@ -27,6 +27,7 @@ import torch
 
 from .. import cpu_kernels, parallel
 from ..errors import SourceError
+from ..io import buffers
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from ..scheme import canonical_nan_
 from .base import LogicalTensor, ReadFn, source_quantization_config
@@ -194,8 +195,8 @@ class Fp8BlockDecoder:
 
         ``out[..., r, c] = bf16(float32(w[..., r, c]) * float32(scale[..., r // br, c // bc]))``: one fp32 multiply,
         one rounding to bf16 (nearest even); a NaN product is stored as the canonical quiet NaN (0x7FC0). On a CPU
-        the fused kernel (``cpu_kernels.fp8_block_decode_into``: a 256-entry table per block, one look-up per
-        element) or torch ops, one band of block rows at a time over the conversion's pool; on a GPU torch ops over
+        the fused kernel (``cpu_kernels.fp8_block_decode_into``: each byte's float32 value from its bits, the
+        product and the rounding, vectorized) or torch ops, one band of block rows at a time over the conversion's pool; on a GPU torch ops over
         the whole tensor. Peak host memory is the stored weight, the bf16 result and (torch on a CPU) one fp32 band
         of block rows (about 64 MiB).
 
@@ -282,7 +283,7 @@ def _decode_cpu(w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int], fuse
     ``BAND_BYTES`` of fp32), fused kernel or torch ops."""
     E, rows, cols = w3.shape
     br, bc = block
-    out = torch.empty(w3.shape, dtype=torch.bfloat16)
+    out = buffers.empty(w3.shape, torch.bfloat16)  # a conversion's pool: reused once nothing holds it
     band = max(1, min(br, BAND_BYTES // max(1, 4 * cols)))
     if parallel.pool() is None and not fused:
         band = br  # in turn in this thread: whole block rows

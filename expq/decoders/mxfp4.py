@@ -47,6 +47,7 @@ import torch
 
 from .. import cpu_kernels, parallel
 from ..errors import SourceError
+from ..io import buffers
 from ..io.safetensors import TensorInfo
 from .base import LogicalTensor, ReadFn, source_quantization_config
 
@@ -194,7 +195,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)}: expected [E, R, G, 16] / "
                          "[E, R, G]")
     E, R, G, _ = blocks.shape
-    out = torch.empty(E, G * BLOCK, R, dtype=torch.bfloat16, device=blocks.device)
+    out = buffers.empty((E, G * BLOCK, R), torch.bfloat16) if blocks.device.type == "cpu" else \
+        torch.empty(E, G * BLOCK, R, dtype=torch.bfloat16, device=blocks.device)  # on a CPU: a conversion's pool
     if blocks.device.type == "cpu" and cpu_kernels.active() == "numba":
         blocks, scales, values = blocks.contiguous(), scales.contiguous(), _value_bits()
 

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from ..errors import SourceError
+from . import buffers
 from .regular import open_regular
 
 MAX_HEADER = 100_000_000  # the safetensors library's limit (bytes of JSON header)
@@ -337,7 +338,8 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
     """Read one tensor from its file: one ``readinto`` of its whole byte span (nothing else of the shard is loaded).
 
     Args:
-        pinned: read into page-locked host memory (for asynchronous copies to a GPU).
+        pinned: read into page-locked host memory (for asynchronous copies to a GPU); else into a buffer of the
+            pool in use (``buffers.empty``: reused during a CPU conversion).
 
     Returns:
         a CPU tensor of ``info.shape`` in the matching torch dtype.
@@ -348,7 +350,8 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
     dt = TORCH_DTYPES.get(info.dtype)
     if dt is None:
         raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
-    buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pinned)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=True) if pinned else \
+        buffers.empty((info.nbytes,), torch.uint8)
     view, got = memoryview(buf.numpy()), 0
     try:
         with open(src_root / info.file, "rb", buffering=0) as f:
