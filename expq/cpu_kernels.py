@@ -115,6 +115,12 @@ def quantize_rows_into(w: torch.Tensor, codes: torch.Tensor | None, amax: torch.
 
 
 # --- FP8 block decode -------------------------------------------------------------------------------------------------
+def fp8_values(dtype: torch.dtype) -> np.ndarray:
+    """fp32 [256]: the value of every byte as ``dtype`` (float8_e4m3fn or float8_e5m2), converted by torch (the
+    table ``fp8_block_row_absmax_into`` looks its extreme codes up in)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy().copy()
+
+
 def fp8_block_decode_into(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int],
                           e: int, r0: int, r1: int) -> None:
     """``out[e, r0:r1] = bf16(float32(w[e, r0:r1]) * s[e, r // br, c // bc])``; rows ``r0:r1`` inside one block row.
