@@ -211,13 +211,7 @@ class Fp8BlockDecoder:
         Raises:
             SourceError: the tensor is not one of this decoder's (names file and tensor).
         """
-        if not tensor.decoded or len(tensor.parts) != 2:
-            raise SourceError("internal: not an FP8 weight with a scale", file=tensor.file, tensor=tensor.name)
-        wi, si = tensor.parts
-        w = read(wi)
-        if w.dtype != TORCH_DTYPES[wi.dtype]:
-            raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
-        s = read(si)
+        w, s = self._read(tensor, read)
         if device is not None and device.type != "cpu":
             w, s = w.to(device, non_blocking=True), s.to(device, non_blocking=True)
         s = s.to(torch.float32)
@@ -232,6 +226,17 @@ class Fp8BlockDecoder:
             out = _decode_cpu(w3, s3, block, fused=False)
         return out.view(w.shape)
 
+    @staticmethod
+    def _read(tensor: LogicalTensor, read: ReadFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 weight and its scale as stored (the weight's dtype checked against its header)."""
+        if not tensor.decoded or len(tensor.parts) != 2:
+            raise SourceError("internal: not an FP8 weight with a scale", file=tensor.file, tensor=tensor.name)
+        wi, si = tensor.parts
+        w = read(wi)
+        if w.dtype != TORCH_DTYPES[wi.dtype]:
+            raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
+        return w, read(si)
+
     def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
         """``|decode(tensor)|``'s maximum over the last dimension, [*shape[:-1], 1] bfloat16 on the CPU (NaN as
         the canonical quiet NaN, -0.0 as +0.0), from one read of the FP8 bytes and without the decoded tensor
@@ -244,13 +249,8 @@ class Fp8BlockDecoder:
         """
         if cpu_kernels.active() != "numba":
             return None
-        if not tensor.decoded or len(tensor.parts) != 2:
-            raise SourceError("internal: not an FP8 weight with a scale", file=tensor.file, tensor=tensor.name)
-        wi, si = tensor.parts
-        w = read(wi)
-        if w.dtype != TORCH_DTYPES[wi.dtype]:
-            raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
-        s = read(si).to(torch.float32)
+        w, s = self._read(tensor, read)
+        s = s.to(torch.float32)
         shape = (*tensor.shape[:-1], 1)
         if w.numel() == 0:
             return torch.zeros(shape, dtype=torch.bfloat16)  # no row, or rows without elements: the amax of none
