@@ -214,3 +214,61 @@ def test_the_cache_folder_follows_the_environment(mixtral, tmp_path, monkeypatch
     monkeypatch.setenv(CACHE_ENV, "off")
     assert cache_dir() is None
     assert verdict(src, good) == "ok" and not (tmp_path / "home").exists()
+
+
+def forge(folder: Path, positive: bool) -> None:
+    """Rewrite every entry of ``folder`` with all its sizes set (positive: 64, else 0) and its sha256 recomputed:
+    what someone who can write the cache folder can do (the digest guards against damage, not forgery)."""
+    from expq.formats import stock_model
+
+    for p in folder.rglob("*.json"):
+        e = json.loads(p.read_text())
+        e["sizes"] = {n: 64 if positive else 0 for n in e["sizes"]}
+        e["sha256"] = stock_model._digest(e["key"], e["sizes"])
+        p.write_text(json.dumps(e))
+
+
+def test_verify_never_trusts_the_cache(mixtral, tmp_path, monkeypatch):
+    """A forged entry can make a conversion with a wrong layout pass the plan's check (the plan trusts the cache,
+    as it trusts the installed packages), but never ``verify``: verify computes the marker check itself, however
+    the output's entry is forged, and a forged refusal does not fail a good checkpoint's verify."""
+    src, config, good, bogus = mixtral
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+    forge(cache, positive=True)
+    assert verdict(src, bogus) == "ok"  # the plan believed the forged entry
+    out = tmp_path / "bad"
+    expq.convert(src, out, layout=bogus, format="experts-int8", device="cpu")
+    for _ in range(2):  # the second time with the output config's entry (written by the first verify) forged too
+        rep = expq.verify(out, source=src, device="cpu")
+        assert not rep.ok and re.search(r"marker .*bogus_proj.*random experts", str(rep.to_dict()))
+        forge(cache, positive=True)
+    good_out = tmp_path / "good"
+    forge(cache, positive=False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache2"))
+    expq.convert(src, good_out, layout=good, format="experts-int8", device="cpu")
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    forge(cache, positive=False)
+    assert expq.verify(good_out, source=src, device="cpu").ok
+
+
+def test_an_entry_that_is_not_a_regular_file_is_a_miss(mixtral, tmp_path, monkeypatch):
+    """A FIFO (or a link) where an entry belongs is a miss: never opened blocking, never followed."""
+    src, config, good, bogus = mixtral
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    assert re.search(BAD_MARKER, verdict(src, bogus))
+    (entry,) = [p for p in cache.rglob("*.json")]
+    forged = tmp_path / "forged.json"
+    forged.write_text(entry.read_text())
+    forge(tmp_path, positive=True)  # forged.json now says every marker has elements
+    entry.unlink()
+    entry.symlink_to(forged)
+    assert re.search(BAD_MARKER, verdict(src, bogus))  # the link is not followed
+    entry.unlink()
+    os.mkfifo(entry)
+    code = "import expq, sys; expq.inspect(sys.argv[1], layout=sys.argv[2], format='experts-int8')"
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(bogus)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, CACHE_ENV: str(cache)})
+    assert r.returncode != 0 and "bogus_proj" in r.stderr  # refused, computed: the FIFO was not waited on

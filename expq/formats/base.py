@@ -117,9 +117,10 @@ class Format(Protocol):
         """The ``quantization_config`` of config.json for a model whose logical tensors are ``tensors``."""
         ...
 
-    def check_model(self, config: dict) -> list[str]:
+    def check_model(self, config: dict, *, use_cache: bool = True) -> list[str]:
         """Problems with this format's tensors for the transformers model class of ``config`` (config.json as a
-        dict); empty when there are none (or nothing to check)."""
+        dict); empty when there are none (or nothing to check). ``use_cache=False``: nothing remembered from an
+        earlier run is trusted (``verify``: the proof computes its answer)."""
         ...
 
     def check_config(self, config: dict, tensors: Mapping[str, TensorLike]) -> list[str]:

@@ -186,7 +186,7 @@ class CompressedTensorsFormat:
                 "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
                 "transform_config": {}, "version": importlib.metadata.version("compressed-tensors")}
 
-    def check_model(self, config: dict) -> list[str]:
+    def check_model(self, config: dict, *, use_cache: bool = True) -> list[str]:
         """Nothing to check against the model class (see ``Format.check_model``)."""
         return []
 

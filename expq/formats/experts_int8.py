@@ -122,14 +122,15 @@ class ExpertsInt8Format:
     def _markers(self) -> dict[str, int]:
         return {self.experts.stock_weight_name(L): L for L in self.experts.moe_layers}
 
-    def check_model(self, config: dict) -> list[str]:
+    def check_model(self, config: dict, *, use_cache: bool = True) -> list[str]:
         """Problems with the layer markers against the transformers model class of ``config`` (config.json as a
         dict): each marker must be a parameter that stock transformers loads, with elements, or stock transformers
         would not refuse the checkpoint (a custom layout's ``[runtime]`` module/weight that does not fit). Empty
         when transformers cannot build the model at all (then it cannot load the checkpoint either). The parameter
-        sizes come from ``stock_model.stock_parameter_sizes`` (cached per config and transformers)."""
+        sizes come from ``stock_model.stock_parameter_sizes`` (cached per config and transformers; ``use_cache``
+        False: computed, the cache only written)."""
         markers = self._markers()
-        params = stock_parameter_sizes(config, list(markers))
+        params = stock_parameter_sizes(config, list(markers), use_cache=use_cache)
         if params is None:
             return []
         bad = [m for m in sorted(markers) if not params.get(m)]

@@ -15,7 +15,9 @@ file cut short, bits flipped, an entry copied to another file's name, a cache ma
 miss: the answer is computed, as without a cache. A cache folder that cannot be created, read or written (read-only,
 full, not a folder) only means the answer is computed each time. An editable transformers (its files change
 without its version) is never cached, and neither is a model transformers cannot build (that may be passing).
-Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry.
+Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry. An entry is read only as a regular
+file, never through a link (a FIFO there is a miss, not a wait). The sha256 finds damage, not forgery: whoever can
+write the folder can make the plan's check pass, so ``verify`` never reads the cache (``use_cache=False``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -52,18 +55,20 @@ def cache_dir() -> Path | None:
         return None
 
 
-def stock_parameter_sizes(config: dict, names: Sequence[str]) -> dict[str, int] | None:
+def stock_parameter_sizes(config: dict, names: Sequence[str], *, use_cache: bool = True) -> dict[str, int] | None:
     """name -> element count, for each of ``names``, of that parameter of the transformers model ``config``
     (config.json as a dict) describes; 0 for a name that is not one of its parameters. None when transformers
     cannot build the model (an unknown or remote-code model type: stock transformers cannot load it either).
 
     Cached (see the module docstring): a hit gives the answer computed the first time, which is the answer
-    computing it again gives.
+    computing it again gives. ``use_cache=False`` never reads the cache (``verify`` does not trust it: an entry is
+    checked for damage, not for forgery by someone who can write the folder) and writes the computed answer (which
+    replaces a forged entry).
     """
     names = sorted(set(names))
     key = _key(config, names)
     path = _entry_path(key)
-    if path is not None:
+    if path is not None and use_cache:
         hit = _read(path, key, names)
         if hit is not None:
             return hit
@@ -141,7 +146,11 @@ def _digest(key: str, sizes: dict[str, int]) -> str:
 def _read(path: Path, key: str, names: list[str]) -> dict[str, int] | None:
     """The entry's answer when the entry is whole and answers exactly this question; else None."""
     try:
-        with open(path, "rb") as f:
+        # a regular file only, never through a link (a FIFO or device there must not block or be read)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
             raw = f.read(MAX_ENTRY_BYTES + 1)
         if len(raw) > MAX_ENTRY_BYTES:
             return None
