@@ -15,8 +15,8 @@ file cut short, bits flipped, an entry copied to another file's name, a cache ma
 miss: the answer is computed, as without a cache. A cache folder that cannot be created, read or written (read-only,
 full, not a folder) only means the answer is computed each time. An editable transformers (its files change
 without its version) is never cached, and neither is a model transformers cannot build (that may be passing).
-Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry. An entry is read only as a regular
-file, never through a link (a FIFO there is a miss, not a wait). The sha256 finds damage, not forgery: whoever can
+Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry. An
+entry is read only as a regular file, never through a link (a FIFO there is a miss, not a wait). The sha256 finds damage, not forgery: whoever can
 write the folder can make the plan's check pass, so ``verify`` never reads the cache (``use_cache=False``).
 """
 
