@@ -81,7 +81,7 @@ class ToyInt8Format:
     def quantization_config(self, tensors):
         return {"quant_method": self.quant_method, "format": self.name, "targets": self.targets()}
 
-    def check_model(self, config):
+    def check_model(self, config, *, use_cache=True):
         return []
 
     def check_config(self, config, tensors):
