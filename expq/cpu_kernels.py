@@ -26,14 +26,13 @@ Every kernel releases the GIL, so the conversion's thread pool (``parallel``) ru
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import numpy as np
 import torch
 
-ENV = "EXPQ_CPU_KERNEL"
-CHOICES = ("auto", "numba", "torch")
+from .options import CPU_KERNEL_ENV as ENV
+from .options import cpu_kernel_choice
 
 
 class KernelUnavailable(RuntimeError):
@@ -44,12 +43,10 @@ def active() -> str:
     """The CPU path in use: ``"numba"`` or ``"torch"`` (from ``EXPQ_CPU_KERNEL``; read at each call).
 
     Raises:
-        ValueError: an unknown ``EXPQ_CPU_KERNEL`` value.
+        UsageError: an unknown ``EXPQ_CPU_KERNEL`` value (``options.cpu_kernel_choice``).
         KernelUnavailable: ``numba`` asked for but not importable.
     """
-    want = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if want not in CHOICES:
-        raise ValueError(f"{ENV}={want!r}: use {', '.join(CHOICES)}")
+    want = cpu_kernel_choice()
     if want == "torch":
         return "torch"
     if _kernels() is not None:

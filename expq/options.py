@@ -7,6 +7,7 @@ have).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -101,10 +102,27 @@ def check_at_least_one(value: int, flag: str) -> None:
         raise UsageError(f"{flag} must be at least 1")
 
 
+CPU_KERNEL_ENV = "EXPQ_CPU_KERNEL"
+CPU_KERNELS = ("auto", "numba", "torch")
+
+
+def cpu_kernel_choice() -> str:
+    """``EXPQ_CPU_KERNEL``'s value, lower-cased (unset or blank: ``auto``): which CPU path ``expq.cpu_kernels`` runs.
+
+    Raises:
+        UsageError: any value but ``auto``, ``numba`` and ``torch``.
+    """
+    want = os.environ.get(CPU_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if want not in CPU_KERNELS:
+        raise UsageError(f"{CPU_KERNEL_ENV}={want!r}: use {', '.join(CPU_KERNELS)}")
+    return want
+
+
 def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_size: str | int, stream: bool,
                   ray: str | None, to_hub: str | None) -> None:
     """Every option of ``api.convert`` whose value alone can be wrong, and their combinations."""
     check_source(src)
+    cpu_kernel_choice()
     formats.check_name(format)
     check_dtype(dtype)
     check_devices(device)

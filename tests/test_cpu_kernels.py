@@ -13,6 +13,7 @@ import torch
 from helpers import seed_reference
 
 from expq import cpu_kernels, parallel, scheme
+from expq.errors import UsageError
 from expq.decoders import LogicalTensor
 from expq.decoders.fp8_block import Fp8BlockDecoder
 from expq.decoders.mxfp4 import dequantize
@@ -221,5 +222,5 @@ def test_kernel_choice(monkeypatch):
     except ImportError:
         assert cpu_kernels.active() == "torch"
     monkeypatch.setenv(cpu_kernels.ENV, "fast")
-    with pytest.raises(ValueError, match="auto, numba, torch"):
+    with pytest.raises(UsageError, match="auto, numba, torch"):
         cpu_kernels.active()

@@ -358,8 +358,12 @@ def test_staging_not_left_by_expq_is_never_deleted(tmp_path, tmp_path_factory):
     assert (tmp_path / ".out.expq-partial" / "mine.txt").read_text() == "mine" and not out.exists()
 
 
-def test_usage_errors(tmp_path, tmp_path_factory):
+def test_usage_errors(tmp_path, tmp_path_factory, monkeypatch):
     src = example(tmp_path_factory, "mixtral")
+    with monkeypatch.context() as m:  # read before any work, like the options
+        m.setenv("EXPQ_CPU_KERNEL", "bogus")
+        code, text = run_cli("convert", src, tmp_path / "o")
+        assert code == 2 and "EXPQ_CPU_KERNEL='bogus': use auto, numba, torch" in text and "Traceback" not in text
     code, text = run_cli("convert", src, tmp_path / "o", "--max-shard-size", "lots")
     assert code == 2 and "not a size" in text
     code, text = run_cli("convert", src, tmp_path / "o", "--dtype", "int4")
