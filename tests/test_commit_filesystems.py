@@ -113,7 +113,7 @@ def mounted(*args):
         subprocess.run(["umount", str(target)], check=True)
 
 
-@pytest.mark.parametrize("kind", ["tmpfs", "bind"])
+@pytest.mark.parametrize("kind", ["bind", pytest.param("tmpfs", marks=pytest.mark.slow)])
 def test_out_that_is_a_mount_point_is_refused_before_any_work(kind, reference, tmp_path):
     src, new, _, _ = reference
     out = tmp_path / "volume"

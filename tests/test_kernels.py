@@ -558,7 +558,8 @@ def test_block_configs():
                               torch.float16, "EVEN_K")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=pytest.mark.slow)],
+                         ids=["fp16", "fp32"])
 @pytest.mark.parametrize("split_k,swap_ab", [(1, True), (2, False), (4, True), (8, False)])
 @pytest.mark.parametrize("top_k,bias,activation", [(2, False, "silu"), (1, True, "swigluoai"), (3, True, "gelu")])
 def test_split_k_and_swap_ab(split_k, swap_ab, top_k, bias, activation, dtype):

@@ -146,7 +146,7 @@ def test_a_link_at_the_lock_is_refused_by_verify_too(reference, tmp_path):
     assert victim.read_text() == "x"
 
 
-@pytest.mark.parametrize("existing", [True, False], ids=["replacing", "new"])
+@pytest.mark.parametrize("existing", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["replacing", "new"])
 def test_out_that_is_a_symlink_is_refused_naming_its_target(existing, reference, tmp_path, tmp_path_factory):
     src, ref = reference
     real = tmp_path / "real"

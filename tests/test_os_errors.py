@@ -86,7 +86,8 @@ def test_enospc_on_a_small_file_names_it_and_the_same_command_resumes(name, refe
     assert rep.shards_resumed == rep.shards and tree_digest(tmp_path / "out") == digest
 
 
-@pytest.mark.parametrize("which", ["shard", "index", "tensor"])
+@pytest.mark.parametrize("which", ["tensor", pytest.param("shard", marks=pytest.mark.slow),
+                                   pytest.param("index", marks=pytest.mark.slow)])
 def test_eio_reading_a_source_file_names_it(which, reference, tmp_path):
     """``shard``/``index``: every read fails (the header, the identity's hash); ``tensor``: from the third read of a
     thread on (strace counts per thread), which is the pipeline reading the shard's tensors."""

@@ -63,7 +63,7 @@ def test_push_uploads_exactly_its_listing_and_never_a_dotfile(hub_server, conver
     assert (converted / ".env").read_bytes() == SECRET  # OUT's own files stay as they were
 
 
-@pytest.mark.parametrize("name", ["NOTES.md", "docs/extra.txt"])
+@pytest.mark.parametrize("name", ["docs/extra.txt", pytest.param("NOTES.md", marks=pytest.mark.slow)])
 def test_a_link_out_of_out_is_refused_by_verify_and_push_and_nothing_is_published(name, hub_server, converted,
                                                                                   tmp_path):
     outside = tmp_path / "private" / "secret.md"
