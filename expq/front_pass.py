@@ -75,7 +75,8 @@ class FrontPass:
       format's encoding of those scales written.
 
     Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
-    read of the values), else on the first GPU of the run if there is one, else the CPU. Not used with a source
+    read of the values) and for quantized ones whose decoder offers the row absmax (``Decoder.row_absmax``: the FP8
+    block decoder, one read of the bytes), else on the first GPU of the run if there is one, else the CPU. Not used with a source
     feeder (``--stream``: files arrive one window at a time).
     """
 
@@ -124,8 +125,12 @@ class FrontPass:
             return
         device = self._device(job)
         parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
-        scales = self._decoded_scales(job, parts) if job.kind is JobKind.QUANTIZE and device.type == "cpu" else None
-        if scales is None:
+        # a quantized source's scales from the decoder's row absmax wherever it offers it (one read on the CPU's
+        # fused kernels: cheaper than moving and decoding the tensor on a GPU that the pipelines decode it on again)
+        scales = self._decoded_scales(job, parts) if job.kind is JobKind.QUANTIZE else None
+        if scales is not None:
+            device = torch.device("cpu")
+        else:
             t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
                 if src.decoded else parts[src.stored]
             parts.clear()
