@@ -25,7 +25,8 @@
 #                                      # Qwen3-30B-A3B (12 layers) and Mixtral-8x7B (4 layers), DeepSeek-V3 FP8 (2
 #                                      # layers), GPT-OSS-120B MXFP4 (4 layers); one run each (RUNS), 520 s in all,
 #                                      # at most ~35 GB of disk at a time (each model's files deleted after it);
-#                                      # MODELS overrides the list (e.g. "deepseek-v3:2 gpt-oss-120b:4")
+#                                      # MODELS overrides the list (e.g. "deepseek-v3:2 gpt-oss-120b:4"); STAGES=1
+#                                      # adds bench/stage_times.py's experts-int8 profile of each source
 #
 # .vllm/ comes from ../shared/tools/offline-vllm/prepare.sh .vllm; .whl-min/ holds typer, rich, click, shellingham,
 # markdown_it, mdurl, pygments and the expq wheel (`pip wheel --no-deps -w .whl-min .`: the wheel carries the
@@ -181,9 +182,18 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
       left=$((deadline - SECONDS))
       [ "$left" -gt 40 ] || { echo "convert28: no time left for $m"; break; }
       timeout "$left" python3 bench/convert.py --model "$m" --variants floor,expq-cuda,decode --runs "${RUNS:-1}" \
-        --work /tmp/bench28 --delete-sources-after --json "$OUT/convert28/${m%%:*}.json" \
+        --work /tmp/bench28 --json "$OUT/convert28/${m%%:*}.json" \
         > "$OUT/convert28/${m%%:*}.md" 2> "$OUT/convert28/${m%%:*}.log" || echo "convert28: $m stopped ($?)"
       grep -E "^\| |PASS|FAIL" "$OUT/convert28/${m%%:*}.md" || tail -3 "$OUT/convert28/${m%%:*}.log"
+      # STAGES=1: where experts-int8's time goes on the GPU (bench/stage_times.py on the same source)
+      src=$(ls -d /tmp/bench28/"${m%%:*}"*/src-* 2>/dev/null | head -1)
+      left=$((deadline - SECONDS))
+      if [ -n "${STAGES:-}" ] && [ -n "$src" ] && [ "$left" -gt 40 ]; then
+        timeout "$left" python3 bench/stage_times.py "$src" /tmp/bench28/stage-out --device cuda \
+          --format experts-int8 > "$OUT/convert28/${m%%:*}-stages.txt" 2>&1 || echo "stages: $m stopped ($?)"
+        tail -30 "$OUT/convert28/${m%%:*}-stages.txt"
+      fi
+      rm -rf /tmp/bench28/"${m%%:*}"* /tmp/bench28/stage-out
     done
     rm -rf /tmp/bench28 ;;
   *)
