@@ -126,8 +126,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                       allow_random_experts=allow_random_experts_in_transformers, on_plan=on_plan,
                                       on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
-    warm_up(devices)
-    with _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
+    with warm_up(devices), _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
         plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
                                allow_random_experts=allow_random_experts_in_transformers)
         stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit

@@ -147,18 +147,18 @@ def write_shards(plan: Plan, shards: list[int], folder: Path, *, device: str = "
     from .output.shards import ShardFolder, ShardSet
 
     devices = parse_devices(device)
-    warm_up(devices)
-    names = [plan.shard_names[k] for k in shards]
-    out = ShardFolder(folder, names, plan.shard_names)
-    mine = set(shards)
-    elsewhere = {i: _NO_FINDINGS for i, j in enumerate(plan.jobs)
-                 if j.kind is JobKind.QUANTIZE and not any(o.shard in mine for o in j.outputs)}
-    shard_set = ShardSet(plan, out, fsync=fsync)
-    try:
-        stats = run_plan(plan, shard_set, devices, allow_nonfinite=allow_nonfinite, done_jobs=elsewhere,
-                         feeder=feeder, on_progress=on_progress)
-    finally:
-        shard_set.close_all()
+    with warm_up(devices):
+        names = [plan.shard_names[k] for k in shards]
+        out = ShardFolder(folder, names, plan.shard_names)
+        mine = set(shards)
+        elsewhere = {i: _NO_FINDINGS for i, j in enumerate(plan.jobs)
+                     if j.kind is JobKind.QUANTIZE and not any(o.shard in mine for o in j.outputs)}
+        shard_set = ShardSet(plan, out, fsync=fsync)
+        try:
+            stats = run_plan(plan, shard_set, devices, allow_nonfinite=allow_nonfinite, done_jobs=elsewhere,
+                             feeder=feeder, on_progress=on_progress)
+        finally:
+            shard_set.close_all()
     findings = {i: f for i, f in stats.by_job.items() if i not in elsewhere}
     return [ShardResult(n, out.records[n]["size"], out.records[n]["sha256"]) for n in names], findings
 

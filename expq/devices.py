@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -42,9 +44,13 @@ def parse_devices(spec: str | None) -> list[torch.device]:
     return devs
 
 
-def warm_up(devices: list[torch.device]) -> None:
-    """Create the CUDA context of every GPU in ``devices`` in a background thread, so that it overlaps opening the
-    source and planning (about a second per process); a pipeline's first CUDA call waits for it. No-op on CPU."""
+@contextlib.contextmanager
+def warm_up(devices: list[torch.device]) -> Iterator[None]:
+    """Create the CUDA context of every GPU in ``devices`` in a background thread while the body runs, so that it
+    overlaps opening the source and planning (about a second per process); a pipeline's first CUDA call waits for
+    it. Leaving the body waits for the thread: a process that ends while CUDA is still starting (a conversion that
+    is up to date, or fails early) aborts in the CUDA runtime ("terminate called without an active exception")
+    instead of exiting with its own status. No-op on CPU."""
     gpus = [d for d in devices if d.type == "cuda"]
 
     def init() -> None:
@@ -54,5 +60,11 @@ def warm_up(devices: list[torch.device]) -> None:
         except Exception:  # noqa: BLE001 - the pipeline's own first CUDA call reports it
             pass
 
-    if gpus:
-        threading.Thread(target=init, name="expq-cuda-init", daemon=True).start()
+    thread = threading.Thread(target=init, name="expq-cuda-init", daemon=True) if gpus else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        if thread is not None:
+            thread.join()
