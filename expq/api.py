@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import cluster
-from .conversion import (ConvertReport, check_unchanged, command_line, keep_or_discard, make_report, plan_conversion,
-                         run_settings, source_stamps, write_side_files)
+from .conversion import (BackgroundIdentity, ConvertReport, check_unchanged, command_line, hash_in_background,
+                         keep_or_discard, make_report, plan_conversion, run_settings, source_stamps, write_side_files)
 from .devices import parse_devices, warm_up
 from .errors import UsageError, resumable
 from .interrupts import stop_on_signals
@@ -130,25 +130,34 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
                                allow_random_experts=allow_random_experts_in_transformers)
         stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit
-        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite)
-        outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root)
+        later = hash_in_background(source, out)
+        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, pending=later)
+        outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root, settled=not later)
         if outdir.up_to_date():
             outdir.finish_up_to_date()
             return make_report(plan, outdir, outdir.existing.record, devices, time.perf_counter() - t0,
                                stream_peak_bytes=_peak(feeder), up_to_date=True)
         outdir.start()
         shards = ShardSet(plan, outdir, fsync=fsync)
+        identity = None
         try:
             with stop_on_signals() as stop:
+                if later:
+                    identity = BackgroundIdentity(source, lambda ident: outdir.settle(run_settings(
+                        plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=ident)), stop)
                 if on_plan:
                     on_plan(plan)
                 stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
                                  done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
-                man = write_side_files(plan, outdir, stats, allow_nonfinite, settings,
+                if identity is not None:
+                    identity.wait(stop)
+                man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint,
                                        command_line(plan, dtype, allow_nonfinite, layout is not None))
                 check_unchanged(source, stamps)
                 outdir.commit()
         except BaseException as e:
+            if identity is not None:
+                identity.stop()
             shards.close_all()
             keep_or_discard(e, outdir, len(shards.closed), len(plan.shard_names))
             raise

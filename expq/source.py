@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -384,7 +385,7 @@ def local_download_commit(src: Source) -> str | None:
 
 
 # --- identity --------------------------------------------------------------------------------------------------------
-def local_identity(src: Source, threads: int | None = None) -> list[list]:
+def local_identity(src: Source, threads: int | None = None, cancel: threading.Event | None = None) -> list[list]:
     """A directory source's identity, what a resume and a no-op re-run compare (``conversion.run_settings``):
     [file, size, sha256] of every shard and side file (config.json first, then the shards, then the side files),
     each file read whole in chunks, ``threads`` files at a time (default: one per core, at most 8; sha256 releases
@@ -392,7 +393,7 @@ def local_identity(src: Source, threads: int | None = None) -> list[list]:
     the driver.
 
     Raises:
-        SourceError: a file is not a regular file or cannot be read (EIO...), naming it.
+        SourceError: a file is not a regular file or cannot be read (EIO...), naming it; or ``cancel`` was set.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -401,5 +402,5 @@ def local_identity(src: Source, threads: int | None = None) -> list[list]:
     rels = ["config.json", *(sh.file for sh in src.shards), *src.side_files]
     n = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="expq-identity") as pool:
-        sums = list(pool.map(lambda rel: sha256_regular(src.root / rel, "source file"), rels))
+        sums = list(pool.map(lambda rel: sha256_regular(src.root / rel, "source file", cancel=cancel), rels))
     return [[rel, size, digest] for rel, (size, digest) in zip(rels, sums)]

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import stat
+import threading
 from pathlib import Path
 
 from ..errors import ExpqError, SourceError
@@ -91,16 +92,20 @@ def read_regular(path: str | Path, what: str, limit: int, error: type[ExpqError]
     return data
 
 
-def sha256_regular(path: str | Path, what: str, error: type[ExpqError] = SourceError) -> tuple[int, str]:
+def sha256_regular(path: str | Path, what: str, error: type[ExpqError] = SourceError,
+                   cancel: threading.Event | None = None) -> tuple[int, str]:
     """(size in bytes, sha256 hex) of a regular file, read in ``CHUNK`` pieces (memory stays at one chunk).
 
     Raises:
-        ``error``: not a regular file, or a read failed (EIO...), naming ``path``.
+        ``error``: not a regular file, or a read failed (EIO...), naming ``path``; or ``cancel`` was set (checked
+            before each chunk).
     """
     fd = open_regular(path, what, error)
     h, size = hashlib.sha256(), 0
     try:
         while chunk := os.read(fd, CHUNK):
+            if cancel is not None and cancel.is_set():
+                raise error(f"hashing the {what} was stopped", file=str(path))
             h.update(chunk)
             size += len(chunk)
     except OSError as e:

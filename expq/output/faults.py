@@ -1,6 +1,6 @@
 """The fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into
-a shard), ``rename`` (the commit's rename or exchange) or ``fsync`` (any file or folder flushed) of this process
-fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or ``stall`` it there until
+a shard), ``rename`` (the commit's rename or exchange), ``fsync`` (any file or folder flushed) or ``settle`` (a source
+identity hashed while the run wrote, about to go into the journal: ``conversion.BackgroundIdentity``) of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or ``stall`` it there until
 interrupted.
 
 The writing code calls ``hit(point)`` at each of these points; ``active`` holds the rules read from the

@@ -80,6 +80,19 @@ def beside(out: Path, suffix: str) -> Path:
     return out.parent / f".{out.name}{suffix}"
 
 
+def is_fresh(out: str | Path) -> bool:
+    """OUT is missing or an empty folder, and no journal of an earlier run lies beside it: there are no earlier
+    settings to compare a run's with, so they may be settled while it writes (``OutputDir(settled=False)``)."""
+    p = Path(out).expanduser().absolute()
+    st = files.lstat(p)
+    try:
+        if st is not None and (not stat.S_ISDIR(st.st_mode) or os.listdir(p)):
+            return False
+    except OSError:
+        return False
+    return files.lstat(beside(p, JOURNAL)) is None
+
+
 def check_out_location(out: str | Path) -> None:
     """Refuse an OUT the commit cannot rename a folder onto: a symbolic link (the rename would replace the link, not
     what it points to) or a mount point (a rename cannot cross filesystems; the staging folder is in OUT's parent).
@@ -106,6 +119,9 @@ class OutputDir:
             ``up_to_date`` tells whether there is anything to do), or, with ``overwrite``, an earlier expq output.
         fingerprint: the run's settings (what makes two runs the same: source identity, options, expq version); a
             JSON-ready dict.
+        settled: False when ``fingerprint`` is not final yet (a fresh OUT, ``is_fresh``, whose source identity is
+            hashed while the run writes): ``settle`` gives the final one; a partial run left before then is
+            discarded by the next run, never resumed.
         src_root: the source directory, which OUT may not be, contain, or sit inside.
 
     Raises:
@@ -114,9 +130,11 @@ class OutputDir:
             overlaps the source, or another conversion is writing it; one of expq's names beside OUT is a link.
     """
 
-    def __init__(self, out: str | Path, *, fingerprint: dict, overwrite: bool = False, src_root: Path | None = None):
+    def __init__(self, out: str | Path, *, fingerprint: dict, overwrite: bool = False, src_root: Path | None = None,
+                 settled: bool = True):
         self.out = Path(out).expanduser().absolute()
         self.fingerprint = fingerprint
+        self.settled = settled  # False: ``fingerprint`` waits for ``settle`` (until then a partial run never resumes)
         self.overwrite = overwrite
         _check_location(self.out, src_root, out)
         check_out_location(self.out)
@@ -239,6 +257,8 @@ class OutputDir:
         """Resume a partial run with the same settings (keeping files whose content matches the journal), or start
         afresh. Returns the kept files: name -> {size, sha256}."""
         j = self._read_journal()
+        if j is not None and j.get("settled") is False:
+            j = None  # left before its settings were final: nothing to resume from
         if j is not None and j.get("fingerprint") != self.fingerprint:
             if not self.overwrite:
                 raise UsageError("a partial conversion into OUT with other settings is waiting to be resumed ("
@@ -256,12 +276,25 @@ class OutputDir:
             with naming(self.staging, "cannot make the staging folder"):
                 files.make_dir(self.staging, _STAGING_HINT)
             try:
-                self._write_journal({"fingerprint": self.fingerprint, "phase": "writing", "files": {}})
+                self._write_journal({"fingerprint": self.fingerprint, "phase": "writing", "files": {},
+                                     "settled": self.settled})
             except BaseException:
                 self.staging.rmdir()  # nothing to resume from
                 raise
             return {}
         return self._keep_matching(j)
+
+    def settle(self, fingerprint: dict) -> None:
+        """The run's final settings, once known (``settled`` was False): written into the journal, so that from
+        now on an interrupted run resumes.
+
+        Raises:
+            OutputError: the journal cannot be written (``settled`` stays False).
+        """
+        with self._journal_lock:
+            if self._journal:
+                self._write_journal(self._journal, fingerprint=fingerprint, settled=True)
+            self.fingerprint, self.settled = fingerprint, True
 
     def _keep_matching(self, j: dict) -> dict[str, dict]:
         """Keep the staged files whose size and sha256 match the journal; delete the other regular files.
