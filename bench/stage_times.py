@@ -11,9 +11,10 @@ the pipeline's threads, so the wall seconds of the stages add up to more than th
 say what each stage costs the machine. OUT is removed before each repeat.
 
 The fused CPU kernels (numba) are timed per call too, in the pool threads that run them: CPU seconds and elements of
-the scheme's row blocks (codes), the front pass's absmax blocks (no codes) and the FP8 block decode's bands, so
-that their cost *inside the pipeline* reads as CPU ns per element (per core); and the counts of the conversion's
-buffer pool (``io.buffers``: buffers mapped, reused).
+the scheme's row blocks (codes), the front pass's absmax blocks (no codes), the FP8 block decode's bands, the MXFP4
+decode's tiles and the MXFP4 row absmax's tiles (the front pass's scales of an MXFP4 source), so that their cost
+*inside the pipeline* reads as CPU ns per element (per core); and the counts of the conversion's buffer pool
+(``io.buffers``: buffers mapped, reused).
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def timed(owner, name: str, stage: str) -> None:
 
 def timed_kernel(name: str, elements) -> None:
     """Time ``cpu_kernels.<name>`` per call (CPU time of the calling pool thread) and count its elements;
-    ``elements(*args)`` says how many a call computes and under which stage (None: not counted)."""
-    fn = getattr(cpu_kernels, name)
+    ``elements(*args)`` says how many a call computes and under which stage (None: not counted). A kernel that
+    this revision of expq does not have is skipped (``PYTHONPATH`` at another revision)."""
+    fn = getattr(cpu_kernels, name, None)
+    if fn is None:
+        return
 
     def wrapper(*a):
         c = time.thread_time()
@@ -154,6 +158,10 @@ def main() -> None:
         "kernel: scheme (codes)" if codes is not None else "kernel: absmax (front pass)", (r1 - r0) * w.shape[1]))
     timed_kernel("fp8_block_decode_into", lambda w, s, out, block, e, r0, r1: (
         "kernel: fp8 block decode", (r1 - r0) * w.shape[2]))
+    timed_kernel("mxfp4_decode_into", lambda blocks, scales, values, out, e, r0, r1: (
+        "kernel: mxfp4 decode", (r1 - r0) * blocks.shape[2] * 32))
+    timed_kernel("mxfp4_row_absmax_into", lambda blocks, scales, mags, out, e, r0, r1: (
+        "kernel: mxfp4 row absmax (front pass)", (r1 - r0) * blocks.shape[2] * 32))
     buffers.Pool = counted_pool(buffers.Pool)
     print(f"start-up: import torch {T_TORCH:.2f} s, expq {T_IMPORT - T_TORCH:.2f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")

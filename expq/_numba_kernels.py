@@ -248,3 +248,38 @@ def mxfp4_decode(blocks, scales, values, out, e, r0, r1):
                 b = src[j]
                 out[e, k0 + 2 * j, r] = t[b & np.uint8(15)]
                 out[e, k0 + 2 * j + 1, r] = t[b >> np.uint8(4)]
+
+
+
+_NIB7, _NIB4 = np.uint64(0x7777777777777777), np.uint64(0x4444444444444444)  # per nibble: magnitude, its bit 2
+_NIB2, _NIB1 = np.uint64(0x2222222222222222), np.uint64(0x1111111111111111)
+
+
+@njit(inline="always")
+def _keep_top(a, b, bit, shift):
+    """One step of the descent in ``mxfp4_row_absmax``: whether a nibble of ``a`` or ``b`` (magnitude codes, 16 a
+    word) has ``bit`` set, and if so the two words with only those nibbles kept."""
+    ha = a & bit
+    hb = b & bit
+    hit = (ha | hb) != np.uint64(0)
+    a1 = a & ((ha >> shift) * np.uint64(7))  # 7 in each nibble that has the bit, 0 elsewhere (no carry)
+    b1 = b & ((hb >> shift) * np.uint64(7))
+    return (a1 if hit else a), (b1 if hit else b), hit
+
+
+@njit(nogil=True, cache=True)
+def mxfp4_row_absmax(words, scales, mags, out, e, r0, r1):
+    groups = words.shape[2]
+    for r in range(r0, r1):
+        w = words[e, r]
+        s = scales[e, r]
+        m = np.uint16(0)
+        for g in range(groups):  # a block: two words of 16 nibbles; its largest magnitude code, bit by bit
+            a = w[g, 0] & _NIB7
+            b = w[g, 1] & _NIB7
+            a, b, c2 = _keep_top(a, b, _NIB4, np.uint64(2))
+            a, b, c1 = _keep_top(a, b, _NIB2, np.uint64(1))
+            c0 = ((a | b) & _NIB1) != np.uint64(0)
+            v = mags[s[g], (np.int64(c2) << 2) | (np.int64(c1) << 1) | np.int64(c0)]
+            m = v if v > m else m
+        out[e, r] = m

@@ -17,7 +17,10 @@ with the same IEEE arithmetic in the same order, compiled by numba (LLVM) on fir
   and smallest magnitude code, looked up in a table of the block's decoded values: the experts-int8 front pass's
   scales of an FP8 source from one read of its bytes);
 * ``mxfp4_decode_into``: per 32-value block, the 16 values of its scale byte looked up (``decoders.mxfp4``'s exact
-  integer table), written transposed in tiles of rows.
+  integer table), written transposed in tiles of rows;
+* ``mxfp4_row_absmax_into``: the absmax of each stored row of that decode without writing it (per block the
+  largest magnitude code, found bit by bit on the block's two 64-bit words, looked up for the block's scale: the
+  experts-int8 front pass's scales of an MXFP4 source from one read of its bytes).
 
 Which path runs is ``EXPQ_CPU_KERNEL``: ``numba``, ``torch``, or ``auto`` (the default: numba when it imports).
 Every kernel releases the GIL, so the conversion's thread pool (``parallel``) runs them on every core.
@@ -163,3 +166,24 @@ def mxfp4_decode_into(blocks: torch.Tensor, scales: torch.Tensor, values: torch.
         blocks: uint8 [E, R, G, 16]; scales: uint8 [E, R, G]; out: bfloat16 [E, G*32, R] (contiguous).
     """
     _kernels().mxfp4_decode(blocks.numpy(), scales.numpy(), values.numpy().view(np.uint16), _bits(out), e, r0, r1)
+
+
+def mxfp4_row_absmax_into(blocks: torch.Tensor, scales: torch.Tensor, mags: torch.Tensor, out: torch.Tensor,
+                          e: int, r0: int, r1: int) -> None:
+    """``out[e, r] = max_{g, i} |decoded value i of block g of row r|`` for rows ``r0:r1`` of expert ``e``: bit for
+    bit the maximum over dimension -2 of ``mxfp4_decode_into``'s ``[E, G*32, R]`` output (-0.0 as +0.0; the table
+    has no NaN), without writing it.
+
+    A nibble's decoded magnitude is ``mags[s, n & 7]`` (the sign is bit 3 of the nibble and bit 15 of the value),
+    and ``mags`` never decreases along a row (every product is exact or overflows to infinity, see
+    ``decoders.mxfp4._value_bits``), so a block's largest magnitude is the entry of its largest magnitude code
+    ``max(n & 7)``; the largest of those bits over the row's blocks is its largest magnitude (non-negative bf16 bit
+    patterns order as their values).
+
+    Args:
+        blocks: uint8 [E, R, G, 16] (the last dimension contiguous); scales: uint8 [E, R, G];
+        mags: int16 [256, 8], the bf16 bits of ``|E2M1[c]| * 2**(s - 127)`` (``decoders.mxfp4``'s table);
+        out: bfloat16 [E, R].
+    """
+    _kernels().mxfp4_row_absmax(blocks.numpy().view(np.uint64), scales.numpy(), mags.numpy().view(np.uint16),
+                                _bits(out), e, r0, r1)

@@ -14,6 +14,7 @@ gate rows, then its up rows (interleaved for some activations); ``w2`` [E, H, I]
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -93,11 +94,16 @@ class ExpertTensor:
     def rows_per_matrix(self) -> int:
         return self.matrices[0].rows
 
-    @property
-    def keeps_stored_rows(self) -> bool:
-        """Each row ``to_rows`` gives is one stored row, whole (nothing transposed): then ``to_rows`` of any
-        per-stored-row quantity ``[..., rows, 1]`` (e.g. a row absmax) lines up with the matrices' rows."""
-        return self.extract is None or self.extract.orientation != "in_out"
+    def row_dim(self, shape: tuple[int, ...]) -> int | None:
+        """The dimension of this tensor (of ``shape``, as ``to_rows`` takes it) along which each of its matrices'
+        rows runs whole, where there is one: a per-row quantity taken over it with keepdim (e.g. a row absmax) goes
+        through ``to_rows`` to one value per matrix row, ``[sum of rows, 1]``. -1 where each row is a stored row
+        (a per-expert or ``out_in`` tensor); -2 for ``in_out`` experts stacked as ``[E, in, out]`` (a row is a
+        column of its expert's block); None for ``in_out`` experts stacked flat (``[E*in, out]``, E > 1)."""
+        ex = self.extract
+        if ex is None or ex.orientation != "in_out":
+            return -1
+        return -2 if len(shape) >= 2 and math.prod(shape[:-2]) == ex.experts else None
 
     def to_rows(self, w: torch.Tensor) -> torch.Tensor:
         """The tensor's matrices stacked by rows, ``[sum of rows, cols]``, in ``matrices`` order.

@@ -76,8 +76,8 @@ class FrontPass:
 
     Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
     read of the values) and for quantized ones whose decoder offers the row absmax (``Decoder.row_absmax``: the FP8
-    block decoder, one read of the bytes), else on the first GPU of the run if there is one, else the CPU. Not used with a source
-    feeder (``--stream``: files arrive one window at a time).
+    block and MXFP4 decoders, one read of the bytes), else on the first GPU of the run if there is one, else the
+    CPU. Not used with a source feeder (``--stream``: files arrive one window at a time).
     """
 
     def __init__(self, run: Run, units: list[list[tuple[int, Job]]], devices: list[torch.device]):
@@ -155,18 +155,20 @@ class FrontPass:
 
     def _decoded_scales(self, job: Job, parts: dict) -> torch.Tensor | None:
         """The scales of a quantize job stored quantized, from the decoder's row absmax (``Decoder.row_absmax``:
-        the FP8 block decoder reads each byte once and writes no decoded tensor), where the decoder offers it and
-        the matrices' rows are stored rows; else None (the caller decodes).
+        the FP8 block and the MXFP4 decoders read each byte once and write no decoded tensor) over the dimension
+        along which the matrices' rows run (``ExpertTensor.row_dim``), where the decoder offers it for that
+        dimension; else None (the caller decodes).
 
         The same bits as ``matrix_scales`` of the decoded rows in the compute dtype: the conversion from bf16 to the
         compute dtype is monotonic in magnitude (exact to fp32; to fp16 rounded to nearest even, overflowing to
         inf; NaN stays NaN), so the absmax of the converted row is the converted absmax; then the same scale
         arithmetic (``scales_from_absmax``) and NaN stored canonical."""
         src = job.tensor
-        if not src.decoded or not job.expert.keeps_stored_rows:
+        dim = job.expert.row_dim(src.shape)
+        if not src.decoded or dim is None:
             return None
         row_absmax = getattr(self.run.plan.source.decoder, "row_absmax", None)  # (a decoder registered before it)
-        amax = row_absmax(src, parts.__getitem__) if row_absmax is not None else None
+        amax = row_absmax(src, parts.__getitem__, dim) if row_absmax is not None else None
         if amax is None:
             return None
         amax = job.expert.to_rows(amax)[:, 0].to(self.run.plan.compute_dtype)

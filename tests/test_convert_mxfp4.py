@@ -1,5 +1,6 @@
 """End to end from an MXFP4 GPT-OSS source: converting the MXFP4 checkpoint gives the same output as converting the
-bf16 checkpoint that transformers' own dequantizer makes of it; and transformers itself loads the MXFP4 fixture into
+bf16 checkpoint that transformers' own dequantizer makes of it (both formats; experts-int8 with its scales from the
+decoder's row absmax and without); and transformers itself loads the MXFP4 fixture into
 its bf16 GptOssExperts with exactly the tensors the decoder produces."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import json
 
 import pytest
 import torch
-from helpers import example, raw_bytes, read_tensors
+from helpers import example, raw_bytes, read_tensors, tree_digest
 from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
 
 import expq
+from expq import cpu_kernels
 from expq.decoders import detect
 from expq.decoders.mxfp4 import Mxfp4Decoder
 from expq.io.safetensors import read_tensor
@@ -84,3 +86,38 @@ def test_convert_mxfp4_equals_convert_of_its_dequantized_bf16(sources, tmp_path)
     assert expq.inspect(deq).summary()["source_format"] == "none"
     side = lambda o: sorted(p.name for p in o.iterdir() if not p.name.endswith(".safetensors"))  # noqa: E731
     assert side(out1) == side(out2)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float16", "float32"])
+def test_experts_int8_from_mxfp4_equals_from_its_dequantized_bf16(sources, tmp_path, dtype, monkeypatch):
+    """experts-int8, whose front pass takes the scales of an MXFP4 source from the decoder's row absmax over the
+    input dimension (one read of the packed bytes, no decoded tensor; ``Mxfp4Decoder.row_absmax``), writes the
+    codes and scales that the dequantized bf16 converts to, byte for byte, in every compute dtype; and the whole
+    output is byte-identical to the one the torch path writes (``EXPQ_CPU_KERNEL=torch``: the front pass decodes)."""
+    mx, deq = sources
+    used = []
+    row_absmax = Mxfp4Decoder.row_absmax
+
+    def counted(self, tensor, read, dim=-1):
+        out = row_absmax(self, tensor, read, dim)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Mxfp4Decoder, "row_absmax", counted)
+    kw = dict(format="experts-int8", dtype=dtype, device="cpu", fsync=False)
+    fused, out2, ref = tmp_path / "from-mxfp4", tmp_path / "from-mxfp4-torch", tmp_path / "from-bf16"
+    expq.convert(mx, fused, **kw)
+    if cpu_kernels.active() == "numba":
+        assert any(used)  # the front pass took scales from the row absmax (where it claimed the job first)
+    expq.convert(deq, ref, **kw)
+    t1, t2 = read_tensors(fused), read_tensors(ref)
+    experts = {n for n in t1 if ".mlp.experts." in n}
+    assert experts == {n for n in t2 if ".mlp.experts." in n}
+    assert any(n.endswith("weight_scale") for n in experts) and any(n.endswith("weight_int8") for n in experts)
+    for n in experts:
+        assert raw_bytes(t1[n]) == raw_bytes(t2[n]), n
+    used.clear()
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    expq.convert(mx, out2, **kw)
+    assert not any(used)
+    assert tree_digest(fused) == tree_digest(out2)

@@ -1,6 +1,7 @@
 """The CPU paths (``EXPQ_CPU_KERNEL``: the fused numba kernels and the torch reference) give the same bits: the scheme
 on every bf16 and fp16 value, the FP8 block decode on every byte with scales that reach every rounding case, the
-MXFP4 decode on every (scale, byte) pair, and the choice of path itself. The scheme's own exactness tests against
+MXFP4 decode on every (scale, byte) pair, the FP8 and MXFP4 row absmax against the absmax of the decoded values,
+and the choice of path itself. The scheme's own exactness tests against
 the seed (tests/test_scheme.py) run on each path too (the ``cpu_path`` fixture)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from expq import cpu_kernels, parallel, scheme
 from expq.errors import UsageError
 from expq.decoders import LogicalTensor
 from expq.decoders.fp8_block import Fp8BlockDecoder
-from expq.decoders.mxfp4 import dequantize
+from expq.decoders import mxfp4
+from expq.decoders.mxfp4 import Mxfp4Decoder, dequantize
 from expq.io.safetensors import TensorInfo
 
 
@@ -208,6 +210,62 @@ def test_mxfp4_decode_paths_agree_on_every_scale_and_byte(monkeypatch):
         out[path] = dequantize(blocks, scales)
     assert torch.equal(out["torch"].view(torch.int16), out["numba"].view(torch.int16))
     assert out["numba"].shape == (E, G * 32, R)
+
+
+def mxfp4_narrow_case(E: int, R: int, G: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks and scales whose absmax tells every (scale, largest magnitude code) pair apart: block ``i`` has
+    scale ``i % 256`` and largest magnitude code ``(i // 256) % 8`` at one random nibble (either half of any byte),
+    its other nibbles random codes up to it, signs random (so -0.0 codes too); every seventh row is all (signed)
+    zeros at a random scale. Both blocks and scales shuffled over the rows."""
+    g = torch.Generator().manual_seed(seed)
+    n = E * R * G
+    i = torch.randperm(n, generator=g)
+    s, top = (i % 256).to(torch.uint8), (i // 256) % 8
+    mags = (torch.rand(n, 32, generator=g) * (top.unsqueeze(1) + 1)).floor().long().clamp(max=top.unsqueeze(1))
+    mags[torch.arange(n), torch.randint(0, 32, (n,), generator=g)] = top
+    mags.view(E, R, G, 32)[:, ::7] = 0
+    nib = mags | (torch.randint(0, 2, mags.shape, generator=g) << 3)
+    blocks = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8).view(E, R, G, 16)
+    return blocks.contiguous(), s.view(E, R, G).contiguous()
+
+
+def mxfp4_every_byte_case(E: int, R: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (scale, block byte) pair (as ``test_mxfp4_decode_paths_agree_on_every_scale_and_byte``)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.arange(E * R * G * 16, dtype=torch.int64)
+    blocks = pairs.remainder(256).to(torch.uint8)[torch.randperm(pairs.numel(), generator=g)].view(E, R, G, 16)
+    return blocks, torch.arange(E * R * G, dtype=torch.int64).remainder(256).to(torch.uint8).view(E, R, G)
+
+
+@pytest.mark.parametrize("case,shape", [("narrow blocks", (2, 300, 4)), ("narrow blocks", (3, 50, 90)),
+                                        ("narrow blocks", (1, 2048, 1)), ("every byte", (2, 300, 4))])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_mxfp4_row_absmax_is_the_decoded_absmax(case, shape, pooled, monkeypatch):
+    """``Mxfp4Decoder.row_absmax`` over dimension -2 (the experts-int8 front pass's scales of an MXFP4 source: each
+    block's largest magnitude code looked up for its scale, from one read of the packed bytes) equals the largest
+    magnitude of the decoded ``[E, in, out]`` values over their input dimension, bit for bit (-0.0 as +0.0), at
+    every scale byte 0..255 (subnormal and infinite values) with every largest code, in tiles over the pool; None
+    over dimension -1 and on the torch path, where the caller decodes."""
+    pytest.importorskip("numba")
+    E, R, G = shape
+    blocks, scales = (mxfp4_narrow_case if case == "narrow blocks" else mxfp4_every_byte_case)(E, R, G)
+    bi, si = _info("m_blocks", "U8", tuple(blocks.shape)), _info("m_scales", "U8", tuple(scales.shape))
+    lt = LogicalTensor("m", "BF16", (E, G * 32, R), (bi, si), decoded=True)
+    parts, dec = {bi: blocks, si: scales}, Mxfp4Decoder({"quant_method": "mxfp4"})
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    assert dec.row_absmax(lt, parts.__getitem__, -2) is None
+    decoded = dec.decode(lt, parts.__getitem__)  # the torch reference decode
+    ref = (decoded.view(torch.int16) & 0x7FFF).amax(dim=-2, keepdim=True)
+    monkeypatch.setenv(cpu_kernels.ENV, "numba")
+    assert dec.row_absmax(lt, parts.__getitem__) is None  # over dimension -1: not offered
+    monkeypatch.setattr(mxfp4, "CHUNK_BYTES", 7 * G * 16)  # tiles of 7 rows
+    with ThreadPoolExecutor(2) as pool, parallel.using(pool if pooled else None):
+        got = dec.row_absmax(lt, parts.__getitem__, -2)
+    assert got.dtype == torch.bfloat16 and got.shape == (E, 1, R)
+    assert torch.equal(got.view(torch.int16), ref)
+    if G == 1:  # one block a row: each (scale, largest code) pair is one row; the data reach every kind of row
+        assert torch.isinf(got).any() and (got == 0).any() and ((got > 0) & (got < 2.0 ** -126)).any()
+        assert len({(int(s), int(a)) for s, a in zip(scales.view(-1), got.view(torch.int16).view(-1))}) > 256 * 7
 
 
 def test_kernel_choice(monkeypatch):

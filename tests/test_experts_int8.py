@@ -216,3 +216,23 @@ def test_verify_fails_a_marker_that_is_not_empty(int8_out, tmp_path):
     save_file(t, f, metadata={"format": "pt"})
     rep = expq.verify(bad)
     assert not rep.ok and any(f"layer marker {marker} is I8 [4, 96, 64], expected I8 [0]" in p for p in rep.problems)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text", "granitemoe", "mixtral"])
+def test_a_row_absmax_over_row_dim_lines_up_with_the_matrices_rows(family, tmp_path_factory):
+    """``ExpertTensor.row_dim`` (the dimension the front pass asks a decoder's row absmax over): the maximum of a
+    stored tensor over it, through ``to_rows``, is each matrix row's maximum, for per-expert, ``out_in`` and ``in_out``
+    stacked tensors (gate/up interleaved or concatenated); None where no one dimension holds a row (DBRX's flat
+    ``[E*in, out]`` w2)."""
+    plan = expq.inspect(example(tmp_path_factory, family))
+    g = torch.Generator().manual_seed(0)
+    dims = set()
+    for name, et in plan.experts.tensors.items():
+        shape = plan.source.logical[name].shape
+        dim = et.row_dim(shape)
+        dims.add(dim)
+        if dim is None:
+            continue
+        w = torch.randn(shape, generator=g)
+        assert torch.equal(et.to_rows(w.abs().amax(dim, keepdim=True))[:, 0], et.to_rows(w).abs().amax(-1)), name
+    assert dims == {"gpt_oss": {-2}, "dbrx": {-1, None}, "llama4_text": {-2}}.get(family, {-1})

@@ -119,11 +119,14 @@ class Decoder(Protocol):
         """
         ...
 
-    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
-        """``|decode(tensor)|``'s maximum over the last dimension without the decoded tensor, where this format
-        can take it for less than a decode: ``[*tensor.shape[:-1], 1]`` in the decoded dtype on the CPU, bit for
-        bit the largest magnitude of each decoded row (NaN as the canonical quiet NaN, -0.0 as +0.0). None where
-        it is not offered (the caller decodes). The experts-int8 front pass takes the scales from it.
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
+        """``|decode(tensor)|``'s maximum over dimension ``dim`` (-1: the last; -2: the one before it), keepdim,
+        without the decoded tensor, where this format can take it for less than a decode: the decoded shape with
+        ``dim`` of size 1, in the decoded dtype on the CPU, bit for bit the largest magnitude of the decoded values
+        it reduces (NaN as the canonical quiet NaN, -0.0 as +0.0). None where it is not offered, for that ``dim``
+        or at all (the caller decodes). The experts-int8 front pass takes the scales from it, over the dimension
+        along which the matrices' rows run (``experts.ExpertTensor.row_dim``): -1 for the FP8 block decoder
+        (``[out, in]``), -2 for the MXFP4 one (``[E, in, out]``).
 
         Raises:
             SourceError: as ``decode``.

@@ -253,7 +253,7 @@ class CompressedTensorsDecoder:
                 out[name] = LogicalTensor(name, ti.dtype, ti.shape, (ti,))
         return out
 
-    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
         """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
         return None
 

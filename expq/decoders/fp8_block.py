@@ -237,17 +237,17 @@ class Fp8BlockDecoder:
             raise SourceError(f"read as {w.dtype}, expected {wi.dtype}", file=wi.file, tensor=wi.name)
         return w, read(si)
 
-    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
         """``|decode(tensor)|``'s maximum over the last dimension, [*shape[:-1], 1] bfloat16 on the CPU (NaN as
         the canonical quiet NaN, -0.0 as +0.0), from one read of the FP8 bytes and without the decoded tensor
         (``cpu_kernels.fp8_block_row_absmax_into``, one band of block rows at a time over the conversion's pool):
-        bit for bit the magnitude-bits maximum of ``decode(tensor)``'s rows. None where the fused kernels are not
-        active (the caller decodes instead).
+        bit for bit the magnitude-bits maximum of ``decode(tensor)``'s rows. None for ``dim`` -2 (not offered) and
+        where the fused kernels are not active (the caller decodes instead).
 
         Raises:
             SourceError: as ``decode``.
         """
-        if cpu_kernels.active() != "numba":
+        if dim != -1 or cpu_kernels.active() != "numba":
             return None
         w, s = self._read(tensor, read)
         s = s.to(torch.float32)

@@ -35,7 +35,8 @@ the CPU (torch 2.13, tested for every byte and every scale). Its edge cases, as 
 
 This decoder builds the bf16 bit patterns with integer arithmetic (no float multiply, no ldexp), so its result does not
 depend on the torch version's ldexp; it runs on a CPU (a fused kernel or torch ops, bounded tiles of rows over the
-conversion's pool) or on a GPU (torch ops).
+conversion's pool) or on a GPU (torch ops). The experts-int8 front pass takes the absmax of each stored row
+(``Mxfp4Decoder.row_absmax``) from one read of the packed bytes with a fused kernel, without the decoded tensor.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ BLOCK_BYTES = BLOCK // 2
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 HOW = "mxfp4 e2m1 x e8m0 (32-element blocks) -> bf16"
 CHUNK_BYTES = 16 << 20
-"""Stored block bytes decoded at a time by the torch path on a CPU (the temporaries are about 8x this)."""
+"""Stored block bytes per task of the torch decode on a CPU (its temporaries are about 8x this) and of the row
+absmax."""
 TILE_ROWS = 256
 """Rows of one expert per call of the fused CPU kernel: their 32 output rows per block stay in cache."""
 
@@ -139,9 +141,31 @@ class Mxfp4Decoder:
             out[base] = LogicalTensor(base, "BF16", _logical_shape(ti, scales), (ti, scales), decoded=True, how=HOW)
         return out
 
-    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
-        """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
-        return None
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
+        """``|decode(tensor)|``'s maximum over dimension -2 (the input dimension of ``[E, in, out]``: the values of
+        one stored row, its ``G`` blocks), keepdim: ``[E, 1, R]`` bfloat16 on the CPU (-0.0 as +0.0; the decode
+        gives no NaN), from one read of the packed bytes and without the decoded tensor
+        (``cpu_kernels.mxfp4_row_absmax_into``, tiles of rows over the conversion's pool): bit for bit the
+        magnitude-bits maximum of ``decode(tensor)`` over that dimension. None for ``dim`` -1 (not offered: a
+        maximum across the stored rows) and where the fused kernels are not active (the caller decodes). See
+        ``Decoder.row_absmax``.
+
+        Raises:
+            SourceError: as ``decode``.
+        """
+        if dim != -2 or cpu_kernels.active() != "numba":
+            return None
+        blocks, scales = _read(tensor, read)
+        E, R, G, _ = blocks.shape
+        out = torch.empty((E, R), dtype=torch.bfloat16)  # no block (G == 0): the amax of none, 0
+        blocks, scales, mags = blocks.contiguous(), scales.contiguous(), _magnitude_bits()
+        rows = max(1, CHUNK_BYTES // max(1, G * BLOCK_BYTES))
+
+        def tile(er: tuple[int, int]) -> None:
+            cpu_kernels.mxfp4_row_absmax_into(blocks, scales, mags, out, er[0], er[1], min(R, er[1] + rows))
+
+        parallel.each(tile, [(e, r0) for e in range(E) for r0 in range(0, R, rows)])
+        return out.view(E, 1, R)
 
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Dequantize one MXFP4 tensor.
@@ -163,18 +187,28 @@ class Mxfp4Decoder:
         Raises:
             SourceError: the tensor is not an MXFP4 one, or what was read does not have the header's shape and dtype.
         """
-        if not tensor.decoded or len(tensor.parts) != 2:
-            raise SourceError("internal: not an MXFP4 tensor (needs blocks and scales)", file=tensor.file,
-                              tensor=tensor.name)
-        binfo, sinfo = tensor.parts
-        blocks, scales = read(binfo), read(sinfo)
-        for info, t in ((binfo, blocks), (sinfo, scales)):
-            if t.dtype != torch.uint8 or tuple(t.shape) != info.shape:
-                raise SourceError(f"read {t.dtype} {list(t.shape)}, expected uint8 {list(info.shape)}",
-                                  file=info.file, tensor=info.name)
+        blocks, scales = _read(tensor, read)
         if device is not None and device.type != "cpu":
             blocks, scales = blocks.to(device, non_blocking=True), scales.to(device, non_blocking=True)
         return dequantize(blocks, scales)
+
+
+def _read(tensor: LogicalTensor, read: ReadFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks and scales of an MXFP4 logical tensor as stored (checked against their headers).
+
+    Raises:
+        SourceError: the tensor is not an MXFP4 one, or what was read does not have the header's shape and dtype.
+    """
+    if not tensor.decoded or len(tensor.parts) != 2:
+        raise SourceError("internal: not an MXFP4 tensor (needs blocks and scales)", file=tensor.file,
+                          tensor=tensor.name)
+    binfo, sinfo = tensor.parts
+    blocks, scales = read(binfo), read(sinfo)
+    for info, t in ((binfo, blocks), (sinfo, scales)):
+        if t.dtype != torch.uint8 or tuple(t.shape) != info.shape:
+            raise SourceError(f"read {t.dtype} {list(t.shape)}, expected uint8 {list(info.shape)}",
+                              file=info.file, tensor=info.name)
+    return blocks, scales
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -250,6 +284,18 @@ def _value_bits() -> torch.Tensor:
     mag = torch.where(m == 0, 0, mag)
     bits = ((n >> 3) << 15) | mag
     return bits.to(torch.int32).sub(torch.where(bits >= 1 << 15, 1 << 16, 0)).to(torch.int16)
+
+
+@cache
+def _magnitude_bits() -> torch.Tensor:
+    """int16 ``[256, 8]``: bf16 bits of ``|E2M1[c]| * 2**(s - 127)`` for scale byte ``s`` and magnitude code ``c``
+    (``_value_bits`` of the positive nibbles; a negative nibble ``n`` has the bits of ``c = n & 7`` and the sign).
+    Non-decreasing along each row (every product exact, or infinity past the range), which
+    ``cpu_kernels.mxfp4_row_absmax_into`` relies on: checked here."""
+    mags = _value_bits()[:, :8].contiguous()
+    if not bool((mags[:, 1:] >= mags[:, :-1]).all()):  # (positive bf16 bits: int16 orders them as their values)
+        raise AssertionError("MXFP4 magnitude table not monotonic in the code")
+    return mags
 
 
 def _suffix(name: str) -> str | None:

@@ -34,7 +34,7 @@ class PlainDecoder:
         """Each stored tensor as it is."""
         return {name: LogicalTensor(name, ti.dtype, ti.shape, (ti,)) for name, ti in tensors.items()}
 
-    def row_absmax(self, tensor: LogicalTensor, read: ReadFn) -> torch.Tensor | None:
+    def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
         """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
         return None
 
