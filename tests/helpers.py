@@ -247,9 +247,10 @@ def run_cli(*args, timeout: int = 300) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
-def start_cli(*args, fault: str | None = None):
+def start_cli(*args, fault: str | None = None, prelude: str | None = None):
     """``python -m expq.cli ARGS`` started in a real subprocess (stdout and stderr merged, unbuffered), with the
-    ``EXPQ_FAULT`` rules ``fault`` (none unless given): the caller waits, signals or kills it."""
+    ``EXPQ_FAULT`` rules ``fault`` (none unless given): the caller waits, signals or kills it. ``prelude``: Python
+    statements run in that process before the CLI (e.g. a module constant set for a small fixture)."""
     import os
     import subprocess
     import sys
@@ -258,7 +259,10 @@ def start_cli(*args, fault: str | None = None):
     env.pop("EXPQ_FAULT", None)
     if fault:
         env["EXPQ_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-m", "expq.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
+    cmd = ["-m", "expq.cli"] if prelude is None else [
+        "-c", f"{prelude}\nimport runpy, sys\nsys.argv = ['expq', *sys.argv[1:]]\n"
+              "runpy.run_module('expq.cli', run_name='__main__', alter_sys=True)"]
+    return subprocess.Popen([sys.executable, *cmd, *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

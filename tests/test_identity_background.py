@@ -12,29 +12,20 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from helpers import example, run_cli, tree_digest
+from helpers import example, run_cli, start_cli, tree_digest
 
 import expq
 import expq.conversion as conversion
 from expq.output.outdir import JOURNAL, beside
 
-CLI_IN_BACKGROUND = ("import sys, runpy, expq.conversion as c; c.IDENTITY_IN_BACKGROUND_BYTES = 0; "
-                     "sys.argv = ['expq', *sys.argv[1:]]; runpy.run_module('expq.cli', run_name='__main__')")
+BACKGROUND = "import expq.conversion as c; c.IDENTITY_IN_BACKGROUND_BYTES = 0"
 
 
 def start_cli_hashing_in_background(*args, fault: str | None = None) -> subprocess.Popen:
-    import os
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("EXPQ_FAULT", None)
-    if fault:
-        env["EXPQ_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-c", CLI_IN_BACKGROUND, *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_cli(*args, fault=fault, prelude=BACKGROUND)
 
 
 @pytest.fixture(scope="module")
