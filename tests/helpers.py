@@ -277,3 +277,18 @@ def reference_conversions(tmp_path_factory: pytest.TempPathFactory):
     old = tmp_path_factory.mktemp("old") / "out"
     expq.convert(example(tmp_path_factory, "olmoe"), old, device="cpu")
     return src, tree_digest(ref), old, tree_digest(old)
+
+
+def count_row_absmax(monkeypatch: pytest.MonkeyPatch, decoder_class) -> list[bool]:
+    """Wrap ``decoder_class.row_absmax`` for the test: the returned list gets, per call, whether it was offered
+    (not None): a test then knows the front pass took its scales from it."""
+    used: list[bool] = []
+    row_absmax = decoder_class.row_absmax
+
+    def counted(self, tensor, read, dim=-1):
+        out = row_absmax(self, tensor, read, dim)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decoder_class, "row_absmax", counted)
+    return used

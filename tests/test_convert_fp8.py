@@ -22,7 +22,7 @@ from expq.io.safetensors import read_tensor
 from expq.source import open_source
 
 from fp8_fixture import make_fp8_deepseek
-from helpers import edit_shard_tensors, example, raw_bytes, read_tensors
+from helpers import count_row_absmax, edit_shard_tensors, example, raw_bytes, read_tensors
 
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 BLOCKS = [(32, 32), (128, 128)]  # hidden 64, moe 48, dense 80, MLA 16/24: edge blocks everywhere with 32
@@ -116,15 +116,7 @@ def test_experts_int8_from_fp8_equals_from_vendor_bf16(fp8_pair, tmp_path, dtype
     the FP8 bytes, no decoded tensor; ``Fp8BlockDecoder.row_absmax``), writes the codes and scales the vendor's
     bf16 converts to, byte for byte, in every compute dtype (the absmax converted to fp16 / fp32 first)."""
     _, _, fp8_dir, vendor_dir = fp8_pair
-    used = []
-    row_absmax = Fp8BlockDecoder.row_absmax
-
-    def counted(self, tensor, read, dim=-1):
-        out = row_absmax(self, tensor, read, dim)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(Fp8BlockDecoder, "row_absmax", counted)
+    used = count_row_absmax(monkeypatch, Fp8BlockDecoder)
     out1, out2 = tmp_path / "from-fp8", tmp_path / "from-vendor-bf16"
     expq.convert(fp8_dir, out1, format="experts-int8", dtype=dtype, device="cpu", fsync=False)
     expq.convert(vendor_dir, out2, format="experts-int8", dtype=dtype, device="cpu", fsync=False)

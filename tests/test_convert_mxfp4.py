@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import example, raw_bytes, read_tensors, tree_digest
+from helpers import count_row_absmax, example, raw_bytes, read_tensors, tree_digest
 from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
 
 import expq
@@ -95,15 +95,7 @@ def test_experts_int8_from_mxfp4_equals_from_its_dequantized_bf16(sources, tmp_p
     codes and scales that the dequantized bf16 converts to, byte for byte, in every compute dtype; and the whole
     output is byte-identical to the one the torch path writes (``EXPQ_CPU_KERNEL=torch``: the front pass decodes)."""
     mx, deq = sources
-    used = []
-    row_absmax = Mxfp4Decoder.row_absmax
-
-    def counted(self, tensor, read, dim=-1):
-        out = row_absmax(self, tensor, read, dim)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(Mxfp4Decoder, "row_absmax", counted)
+    used = count_row_absmax(monkeypatch, Mxfp4Decoder)
     kw = dict(format="experts-int8", dtype=dtype, device="cpu", fsync=False)
     fused, out2, ref = tmp_path / "from-mxfp4", tmp_path / "from-mxfp4-torch", tmp_path / "from-bf16"
     expq.convert(mx, fused, **kw)
