@@ -83,6 +83,8 @@ How each figure is measured:
 * ``seconds``: wall time in the meter from spawning the variant's process to reaping it (so interpreter start-up
   and imports count), median of the runs; ``GB/s``: source bytes (all ``*.safetensors``) / seconds;
   ``x floor``: seconds / the floor's seconds of the same source.
+* ``inside the conversion`` (expq rows): the ``seconds`` that ``expq convert --json`` reports, from its start to
+  its commit, without the interpreter's start-up and imports (median of the runs; against the same floor).
 * ``peak RSS``: the variant process's peak resident set as the kernel keeps it (``ru_maxrss`` from the meter's
   ``getrusage(RUSAGE_CHILDREN)``: the largest VmHWM of the process and any descendant it reaped; it starts no lower
   than the meter's own ~15 MB, ``meter_hwm``), max over runs. The meter also samples ``/proc`` every 0.05 s: the
@@ -1129,6 +1131,9 @@ def summarize(row: dict) -> dict:
         row["output_bytes"] = max(r["output_bytes"] for r in ok)
         if v_kind == "expq":
             row["bytes_out_reported"] = (ok[-1].get("child") or {}).get("bytes_out")
+            inside = [(r.get("child") or {}).get("seconds") for r in ok]
+            if all(isinstance(x, (int, float)) for x in inside):
+                row["inside_seconds"] = statistics.median(inside)
         if v_kind == "llmc":
             row["versions"] = {k: (ok[-1].get("child") or {}).get(k)
                                for k in ("llmcompressor", "compressed_tensors", "torch")}
@@ -1207,6 +1212,9 @@ def table(rows: list[dict], src_info: dict) -> str:
                       f"{r['decode_ns_per_element']:.2f} ns/element on {CORES} cores)")
         if r.get("out_format"):
             label += f" → {r['out_format']}"
+        if r.get("inside_seconds") is not None and floor:
+            label += (f" (inside the conversion: {r['inside_seconds']:.2f} s, {r['inside_seconds'] / floor:.2f}x "
+                      "floor)")
         cached = "—" if r.get("cached_min") is None else f"{100 * r['cached_min']:.0f}%"
         bold = r["kind"] in ("expq", "stream")
         sec = f"**{r['seconds']:.2f}**" if bold else f"{r['seconds']:.2f}"
