@@ -143,7 +143,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         try:
             with stop_on_signals() as stop:
                 if later:
-                    identity = BackgroundIdentity(source, lambda ident: outdir.settle(run_settings(
+                    identity = BackgroundIdentity(source, stamps, lambda ident: outdir.settle(run_settings(
                         plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=ident)), stop)
                 if on_plan:
                     on_plan(plan)

@@ -148,19 +148,26 @@ def hash_in_background(src: Source, out: str | Path) -> bool:
 class BackgroundIdentity:
     """``source.local_identity`` of a directory source on a thread of its own while the pipelines write a fresh
     OUT; ``on_done`` (``OutputDir.settle`` of the final settings) is called with it from that thread, so that an
-    interrupted run resumes from then on. ``source_stamps``, taken before, still guard the commit."""
+    interrupted run resumes from then on. ``stamps`` (``source_stamps``, taken before the run read anything) are
+    checked once the hash is done, before ``on_done``: the pipelines may have read a file before it was hashed, so
+    a file written in between would give an identity that does not describe what was converted, and a resume would
+    keep shards of the old bytes under the new identity (an uninterrupted run's commit sees it anyway). They still
+    guard the commit too."""
 
-    def __init__(self, src: Source, on_done: Callable[[list[list]], None], stop: threading.Event):
+    def __init__(self, src: Source, stamps: dict[str, tuple], on_done: Callable[[list[list]], None],
+                 stop: threading.Event):
         self.cancel = threading.Event()
         self._identity: list[list] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(src, on_done, stop), name="expq-identity",
+        self._thread = threading.Thread(target=self._main, args=(src, stamps, on_done, stop), name="expq-identity",
                                         daemon=True)
         self._thread.start()
 
-    def _main(self, src: Source, on_done: Callable[[list[list]], None], stop: threading.Event) -> None:
+    def _main(self, src: Source, stamps: dict[str, tuple], on_done: Callable[[list[list]], None],
+              stop: threading.Event) -> None:
         try:
             identity = local_identity(src, cancel=self.cancel)
+            check_unchanged(src, stamps)  # a file written since the run began: the identity vouches for nothing
             faults.hit("settle")
             if stop.is_set() or self.cancel.is_set():
                 return  # the run is stopping: it keeps nothing it cannot vouch for (``keep_or_discard``)
@@ -173,7 +180,7 @@ class BackgroundIdentity:
         """The identity, once hashed and settled.
 
         Raises:
-            SourceError: a source file could not be read; OutputError: the journal could not be written;
+            SourceError: a source file could not be read, or was written since the run began; OutputError: the journal could not be written;
             Interrupted: ``stop`` was set while waiting (the hashing is stopped).
         """
         while self._thread.is_alive():
@@ -240,8 +247,8 @@ def keep_or_discard(e: BaseException, outdir: OutputDir, kept: int, total: int) 
     else:
         outdir.discard()
         if isinstance(e, Interrupted):  # before the source's identity was settled: nothing a re-run could trust
-            raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name} while the source was still "
-                                        "being hashed; nothing is kept: re-run the same command to start "
+            raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name} before the source's identity "
+                                        "was recorded; nothing is kept: re-run the same command to start "
                                         "again") from None
 
 

@@ -9,7 +9,9 @@ with monkeypatch, in a subprocess by the same assignment before the CLI runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -24,8 +26,27 @@ from expq.output.outdir import JOURNAL, beside
 BACKGROUND = "import expq.conversion as c; c.IDENTITY_IN_BACKGROUND_BYTES = 0"
 
 
-def start_cli_hashing_in_background(*args, fault: str | None = None) -> subprocess.Popen:
-    return start_cli(*args, fault=fault, prelude=BACKGROUND)
+# BACKGROUND, with the hash held until the file GATE exists, and the file HASHED made once the identity thread is
+# over (settled or not)
+GATED = (
+    "import os, time, expq.conversion as c; c.IDENTITY_IN_BACKGROUND_BYTES = 0; real = c.local_identity\n"
+    "def gated(*a, **k):\n"
+    "    while not os.path.exists(GATE): time.sleep(0.02)\n"
+    "    return real(*a, **k)\n"
+    "class Marked(c.BackgroundIdentity):\n"
+    "    def _main(self, *a):\n"
+    "        try: super()._main(*a)\n"
+    "        finally: open(HASHED, 'w').close()\n"
+    "c.local_identity, c.BackgroundIdentity = gated, Marked\n"
+    "import expq.api; expq.api.BackgroundIdentity = Marked")
+
+
+def start_cli_hashing_in_background(*args, fault: str | None = None, gated: tuple | None = None) -> subprocess.Popen:
+    """``gated``: (gate file, hashed file) for ``GATED``."""
+    if gated is None:
+        return start_cli(*args, fault=fault, prelude=BACKGROUND)
+    gate, hashed = map(str, gated)
+    return start_cli(*args, fault=fault, prelude=f"GATE, HASHED = {gate!r}, {hashed!r}\n{GATED}")
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +105,51 @@ def test_interrupt_before_the_identity_is_settled_keeps_nothing(src_and_referenc
     p.send_signal(signal.SIGINT)
     text, _ = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGINT, text
-    assert "while the source was still being hashed; nothing is kept" in text
+    assert "before the source's identity was recorded; nothing is kept" in text
     assert sorted(x.name for x in tmp_path.iterdir()) == []  # no OUT, no staging, no journal
     code, text = run_cli("convert", src, out, "--device", "cpu")
     assert code == 0, text
     assert tree_digest(out) == ref
+
+
+def test_a_source_file_written_after_it_was_read_and_before_it_was_hashed_is_never_resumed(tmp_path,
+                                                                                            tmp_path_factory):
+    # The pipelines read the source shards before the background hash does: a shard rewritten in between gave an
+    # identity of the new bytes settled over output shards of the old ones, and an interrupted run resumed them
+    # (a checkpoint mixing two sources, which verify passes).
+    old, new = example(tmp_path_factory, "mixtral"), example(tmp_path_factory, "mixtral", seed=1)
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(old, src)
+    gate, hashed = tmp_path / "gate", tmp_path / "hashed"
+    args = ("convert", src, out, "--device", "cpu", "--max-shard-size", "60KB")
+    # the 38th tensor write stalls until the interrupt: by then 3 of the 4 output shards are recorded
+    p = start_cli_hashing_in_background(*args, fault="write:38:stall", gated=(gate, hashed))
+    journal = beside(out.absolute(), JOURNAL)
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(journal.read_text())["files"]:
+                break
+        time.sleep(0.05)
+    assert p.poll() is None and json.loads(journal.read_text())["files"]  # output shards of the old bytes
+    for f in sorted(new.glob("*.safetensors")):  # same names and sizes, other bytes, written in place
+        assert f.stat().st_size == (src / f.name).stat().st_size
+        with open(src / f.name, "r+b") as dst:
+            dst.write(f.read_bytes())
+    gate.touch()
+    while not hashed.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hashed.exists()
+    p.send_signal(signal.SIGINT)
+    text, _ = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGINT, text
+    assert "nothing is kept" in text
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["gate", "hashed", "src"]
+    code, text = run_cli(*args)
+    assert code == 0, text
+    assert "resumed" not in text
+    ref_new, ref_old = tmp_path_factory.mktemp("ref") / "new", tmp_path_factory.mktemp("ref") / "old"
+    expq.convert(src, ref_new, device="cpu", max_shard_size="60KB")  # the source as it is now, in one run
+    expq.convert(old, ref_old, device="cpu", max_shard_size="60KB")
+    assert tree_digest(ref_old) != tree_digest(ref_new)  # negative control: the rewrite changes the output
+    assert tree_digest(out) == tree_digest(ref_new)
