@@ -14,8 +14,10 @@ import sys
 
 import pytest
 from helpers import example
+from typer.testing import CliRunner
 
 import expq
+from expq.cli import app
 from expq.hub import push
 
 SECRET = b"HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz0123"
@@ -27,6 +29,12 @@ def cli(*args, stdout_only: bool = False) -> tuple[int, str]:
     p = subprocess.run([sys.executable, "-m", "expq.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True, timeout=240)
     return p.returncode, p.stdout if stdout_only else p.stdout + p.stderr
+
+
+def in_process(*args) -> tuple[int, str]:
+    """The same command line in this process (typer's CliRunner), where a real process is proven by another call."""
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    return r.exit_code, r.output
 
 
 def error_lines(text: str) -> list[str]:
@@ -74,8 +82,8 @@ def test_a_link_out_of_out_is_refused_by_verify_and_push_and_nothing_is_publishe
     code, text = cli("verify", converted, "--device", "cpu")
     assert code == 2 and len(error_lines(text)) == 1, text
     assert name in text and "outside the checkpoint directory" in text, text
-    for extra in ((), ("--skip-verify",)):
-        code, text = cli("push", converted, "me/linked", *extra)
+    for run in (cli, in_process):  # push --skip-verify in this process: the real one above proves the exit status
+        code, text = run("push", converted, "me/linked", *(() if run is cli else ("--skip-verify",)))
         assert code == 2 and len(error_lines(text)) == 1 and name in text and "symbolic link" in text, text
     assert not hub_server.repo_exists("me/linked") and not store_holds(hub_server, SECRET)
     assert outside.read_bytes() == SECRET and (converted / name).is_symlink()
@@ -104,5 +112,5 @@ def test_verify_refuses_a_shard_linked_out_of_out(converted, tmp_path):
     assert "outside the checkpoint directory" in text
     shard.unlink()
     shutil.move(moved, shard)
-    code, text = cli("verify", converted, "--device", "cpu")
+    code, text = in_process("verify", converted, "--device", "cpu")
     assert code == 0, text  # negative control: the same bytes in OUT pass

@@ -652,7 +652,9 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("version,ctor", [("0.24.0", "layer"), ("0.30.0", "moe")])
+# the second constructor's variant in the slow tier (make test-slow): both constructors are built in make test by
+# test_constructor_and_behaviour_per_release
+@pytest.mark.parametrize("version,ctor", [pytest.param("0.24.0", "layer", marks=pytest.mark.slow), ("0.30.0", "moe")])
 def test_config_pickled_into_a_spawned_engine_shares_the_plugin_state(version, ctor, tmp_path):
     """`vllm serve` spawns its engine core and sends it the VllmConfig by pickling (cloudpickle): the config and
     method classes must travel by name, so that the engine's copy is the class its own registration made and reads
