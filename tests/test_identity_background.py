@@ -92,6 +92,7 @@ def test_kill_before_the_identity_is_settled_then_rerun_converts_afresh(src_and_
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]  # staging and journal gone
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_interrupt_before_the_identity_is_settled_keeps_nothing(src_and_reference, tmp_path):
     src, ref = src_and_reference
     out = tmp_path / "out"
@@ -112,6 +113,7 @@ def test_interrupt_before_the_identity_is_settled_keeps_nothing(src_and_referenc
     assert tree_digest(out) == ref
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_a_source_file_written_after_it_was_read_and_before_it_was_hashed_is_never_resumed(tmp_path,
                                                                                             tmp_path_factory):
     # The pipelines read the source shards before the background hash does: a shard rewritten in between gave an

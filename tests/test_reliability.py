@@ -104,7 +104,8 @@ def test_killed_from_outside_resumes_keeping_finished_shards(reference, tmp_path
     assert tree_digest(out) == tree_digest(ref) and leftovers(out.parent) == []
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                      pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow)])
 def test_signals_stop_cleanly_and_resume(sig, code, reference, tmp_path):
     src, _, _, _ = reference
     out = tmp_path / "out"
