@@ -283,3 +283,47 @@ def test_prefill_tiles_against_the_reference(tile, h, i, t):
         return
     out = moe_mod.fused_moe_triton(*args, config=cfg)
     check(out, moe_reference(*args), dtype, str(cfg))
+
+
+def _compiles():
+    """A counter of Triton compiles in this process (in-memory cache misses: ``knobs.runtime.jit_post_compile_hook``)
+    and a function that stops counting; skips the test where this Triton has no such hook."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    seen = []
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        seen.append(kwargs.get("fn") or (args[0] if args else None))
+        return before(*args, **kwargs) if before else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return seen, lambda: setattr(knobs.runtime, "jit_post_compile_hook", before)
+
+
+@pytest.mark.parametrize("e,h,i,top_k", [(128, 2048, 768, 8), (8, 4096, 14336, 2)])  # the tuned Qwen3 / Mixtral shapes
+def test_warm_up_leaves_no_compile_for_any_step_size(e, h, i, top_k):
+    """After ``moe.warm_up`` up to 4096 tokens, batches of 60 sizes in [1, 4096] (every bucket of the tuned table and
+    sizes between them) compile nothing; negative control: a batch past the warmed range (16384 tokens, another
+    tuned bucket) does."""
+    args, _ = make_problem(e, h, i, 1, top_k, torch.bfloat16, seed=76)
+    w13, w2, s13, s2 = args[1:5]
+    counts = moe_mod.warm_up(w13, w2, s13, s2, top_k=top_k, max_tokens=4096)
+    assert counts[0] == 1 and counts == sorted(set(counts)) and len(counts) >= 3
+    seen, stop = _compiles()
+    try:
+        g = torch.Generator().manual_seed(77)
+        sizes = sorted({1, 2, 3, 8, 16, 64, 255, 256, 512, 1024, 2048, 4095, 4096,
+                        *torch.randint(1, 4097, (47,), generator=g).tolist()})
+        for t in sizes:
+            run, _ = make_problem(e, h, i, t, top_k, torch.bfloat16, seed=t)
+            fused_moe_int8(run[0], w13, w2, s13, s2, run[5], run[6], backend="triton")
+        torch.cuda.synchronize()
+        assert seen == [], (len(seen), sizes)
+        run, _ = make_problem(e, h, i, 16384, top_k, torch.bfloat16, seed=78)
+        fused_moe_int8(run[0], w13, w2, s13, s2, run[5], run[6], backend="triton")
+        torch.cuda.synchronize()
+        assert seen, "negative control: a batch past the warmed range should have compiled a new variant"
+    finally:
+        stop()

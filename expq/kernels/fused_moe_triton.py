@@ -550,6 +550,14 @@ once, each placing program sums those). Measured on an H200 (bench/profile_kerne
 at 32,768 pairs: 42.8 against 72.0; DeepSeek-V3 at 32,768: 42.6 against 127.9)."""
 
 
+def align_passes(numel: int, num_experts: int) -> int:
+    """How many passes ``invoke_moe_align`` sorts ``numel`` (token, slot) pairs over ``num_experts`` experts in by
+    default: 1 while one program places them all or pairs x bins stay within ``ALIGN_ONE_PASS_WORK``, else 2 (a
+    histogram pass first). Each pass count is its own compiled kernel variant."""
+    programs = max(1, triton.cdiv(numel, ALIGN_CHUNK))
+    return 1 if programs == 1 or numel * triton.next_power_of_2(num_experts + 1) <= ALIGN_ONE_PASS_WORK else 2
+
+
 def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=None):
     """``moe_align_block_size``'s three outputs for ``topk_ids`` (any shape, int32 / int64), computed on the device
     without synchronising (``max_padded`` is the caller's bound): ``moe_align_kernel``, preceded by
@@ -563,7 +571,7 @@ def invoke_moe_align(topk_ids, block_size, num_experts, max_padded, *, passes=No
     nb = triton.next_power_of_2(num_experts + 1)
     programs = max(1, triton.cdiv(numel, ALIGN_CHUNK))
     if passes is None:
-        passes = 1 if programs == 1 or numel * nb <= ALIGN_ONE_PASS_WORK else 2
+        passes = align_passes(numel, num_experts)
     if passes not in (1, 2):
         raise ValueError(f"passes: expected 1, 2 or None, got {passes!r}")
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)

@@ -22,6 +22,7 @@ fp32 before the cast; finally the sum over the top_k slots of each token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -44,6 +45,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "LaunchPlan",
     "SPLIT_K_MAX_BYTES",
     "SWIGLUOAI_ALPHA",
     "SWIGLUOAI_LIMIT",
@@ -54,6 +56,7 @@ __all__ = [
     "fused_moe_triton",
     "gemm2_split_k",
     "get_config",
+    "launch_plan",
     "moe_align_block_size",
     "moe_reference",
     "moe_reference_dense",
@@ -61,6 +64,8 @@ __all__ = [
     "max_padded_length",
     "select_backend",
     "sorts_pairs",
+    "warm_up",
+    "warm_up_token_counts",
 ]
 
 
@@ -584,6 +589,93 @@ def gemm2_split_k(config: dict, intermediate_size: int, num_pairs: int, hidden_s
     return split
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What the Triton pipeline launches for one batch, as far as it decides which compiled kernel variants run:
+    the block config (``get_config``), whether the pairs are sorted (``sorts_pairs``) and in how many passes
+    (``align_passes``; 0: no sort), and GEMM2's split-K factor (``gemm2_split_k``). Token counts themselves are not
+    specialised on (``fused_moe_triton.TOKEN_COUNT_ARGS``), so two batches of one layer with equal plans run the same
+    compiled kernels."""
+
+    config: tuple  # get_config's dict as sorted (key, value) pairs
+    sorts: bool
+    align_passes: int
+    split_k: int
+
+    @property
+    def block_config(self) -> dict:
+        """The block config as the dict ``get_config`` returned (a new dict)."""
+        return dict(self.config)
+
+
+def launch_plan(num_tokens: int, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, dtype,
+                device, *, config: dict | None = None) -> LaunchPlan:
+    """The ``LaunchPlan`` of a batch of ``num_tokens`` tokens (>= 1) for a layer of ``num_experts`` local experts of
+    ``hidden_size`` x ``intermediate_size`` with ``top_k`` slots per token, activations in ``dtype`` on ``device``;
+    ``config`` overrides ``get_config`` (checked by ``expq.kernels.tuned.check_config``)."""
+    if config is None:
+        config = get_config(num_tokens, num_experts, top_k, device, hidden_size=hidden_size,
+                            intermediate_size=intermediate_size, dtype=dtype)
+    else:
+        from .tuned import check_config
+
+        config = check_config(config)
+    num_pairs = num_tokens * top_k
+    sorts = sorts_pairs(num_tokens, top_k, num_experts)
+    passes = 0
+    if sorts:
+        from .fused_moe_triton import align_passes
+
+        passes = align_passes(num_pairs, num_experts)
+    return LaunchPlan(tuple(sorted(config.items())), sorts, passes,
+                      gemm2_split_k(config, intermediate_size, num_pairs, hidden_size))
+
+
+WARM_UP_MAX_TOKENS = 1 << 17
+"""The largest batch ``warm_up_token_counts`` looks at (a serving engine's tokens per step rarely pass 2^14)."""
+
+
+def warm_up_token_counts(max_tokens: int, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                         dtype, device) -> list[int]:
+    """The smallest token count of each distinct ``launch_plan`` among batches of 1 to ``max_tokens`` tokens (at
+    most ``WARM_UP_MAX_TOKENS``), ascending: one batch of each size runs every kernel variant any batch up to
+    ``max_tokens`` can need."""
+    seen: set[LaunchPlan] = set()
+    counts = []
+    for t in range(1, min(max_tokens, WARM_UP_MAX_TOKENS) + 1):
+        plan = launch_plan(t, num_experts, top_k, hidden_size, intermediate_size, dtype, device)
+        if plan not in seen:
+            seen.add(plan)
+            counts.append(t)
+    return counts
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, *, top_k: int,
+            max_tokens: int, dtype=torch.bfloat16, activation: str = "silu", w13_bias=None, w2_bias=None,
+            apply_router_weight_on_input: bool = False, expert_map=None) -> list[int]:
+    """Compile now every Triton kernel variant a batch of up to ``max_tokens`` tokens of this layer can need: one
+    ``fused_moe_int8`` call (backend ``"triton"``) per ``warm_up_token_counts`` size, on zero activations in
+    ``dtype`` routed round-robin over the experts. Weights, biases and ``expert_map`` as ``fused_moe_int8``'s.
+    A serving engine calls it at load, so that no batch size its own warm-up (profiling, CUDA graph capture) misses
+    compiles inside a request. Returns the token counts run.
+
+    Raises:
+        ValueError: as ``fused_moe_int8`` (wrong shapes or dtypes, Triton unable to run on the weights' device).
+    """
+    device = w13.device
+    e_local, two_i, h_dim = w13.shape
+    e_global = e_local if expert_map is None else expert_map.numel()
+    counts = warm_up_token_counts(max_tokens, e_local, top_k, h_dim, two_i // 2, dtype, device)
+    for t in counts:
+        x = torch.zeros(t, h_dim, dtype=dtype, device=device)
+        ids = (torch.arange(t * top_k, device=device, dtype=torch.int32) % e_global).reshape(t, top_k)
+        weights = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+        fused_moe_int8(x, w13, w2, w13_scale, w2_scale, weights, ids, activation=activation, w13_bias=w13_bias,
+                       w2_bias=w2_bias, apply_router_weight_on_input=apply_router_weight_on_input, backend="triton",
+                       expert_map=expert_map)
+    return counts
+
+
 def fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, activation="silu",
                      w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, config=None,
                      expert_map=None) -> torch.Tensor:
@@ -630,8 +722,8 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     if device.type == "cpu" and dtype == torch.bfloat16:
         raise ValueError("hidden_states: bfloat16 on CPU runs in Triton's interpreter, whose bfloat16 arithmetic is "
                          "wrong; use float16 / float32 there, or backend='torch'")
-    if config is None:
-        config = get_config(t_dim, e_dim, top_k, device, hidden_size=h_dim, intermediate_size=i_dim, dtype=dtype)
+    plan = launch_plan(t_dim, e_dim, top_k, h_dim, i_dim, dtype, device, config=config)
+    config = plan.block_config
     num_pairs = t_dim * top_k
     topk_ids = _local_ids(topk_ids, expert_map)
     new_out = torch.empty if expert_map is None else torch.zeros  # pairs of other ranks' experts add 0
@@ -647,7 +739,7 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
     bias2 = None if w2_bias is None else w2_bias.to(torch.float32).contiguous()
 
     block_m = config["BLOCK_SIZE_M"]
-    split = gemm2_split_k(config, i_dim, num_pairs, h_dim)
+    split = plan.split_k
     fuse = config["FUSE_ACT"]
     cache1 = None if fuse else torch.empty(num_pairs, two_i, dtype=dtype, device=device)
     cache2 = torch.empty(num_pairs, i_dim, dtype=dtype, device=device)
@@ -659,12 +751,13 @@ def _fused_moe_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                   new_out(split, num_pairs, h_dim, dtype=torch.float32, device=device))
 
     with _device_guard(device):
-        if not sorts_pairs(t_dim, top_k, e_dim):  # decode: no sort, a block per pair
+        if not plan.sorts:  # decode: no sort, a block per pair
             blocks = dict(sorted_token_ids=None, expert_ids=None, num_tokens_post_padded=None,
                           unsorted_ids=topk_ids.reshape(-1).contiguous())  # the kernel reads ids[p] at ptr + p
         else:
             sorted_ids, expert_ids, num_post = fk.invoke_moe_align(topk_ids, block_m, e_dim,
-                                                                   max_padded_length(num_pairs, block_m, e_dim))
+                                                                   max_padded_length(num_pairs, block_m, e_dim),
+                                                                   passes=plan.align_passes)
             blocks = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post)
         if fuse:  # GEMM1 and the activation in one launch
             fk.invoke_fused_moe_w8a16(x, w13, cache2, scale13, bias13, None, **blocks, top_k=top_k,
