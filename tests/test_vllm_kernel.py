@@ -56,9 +56,11 @@ METHOD = plugin._method_class(SimpleNamespace(Int8OnlineMoEMethod=StandInInt8Onl
 
 
 def vllm_layer(w13, w2, s13, s2, *, activation="silu", b13=None, b2=None, expert_map=None, on_input=False,
-               global_experts=None, name="model.layers.0.mlp.experts"):
-    """A stand-in RoutedExperts holding one rank's tensors as vLLM holds them (activation as a MoEActivation)."""
+               global_experts=None, name="model.layers.0.mlp.experts", top_k=2, dtype=torch.float16):
+    """A stand-in RoutedExperts holding one rank's tensors as vLLM holds them (activation as a MoEActivation;
+    ``top_k`` and ``orig_dtype``, the activations' dtype, as vLLM's layer says them)."""
     layer = torch.nn.Module()
+    layer.top_k, layer.orig_dtype = top_k, dtype
     for k, v in (("w13_weight", w13), ("w2_weight", w2), ("w13_scale", s13), ("w2_scale", s2), ("w13_bias", b13),
                  ("w2_bias", b2)):
         if v is not None:
@@ -100,6 +102,7 @@ def interpret(monkeypatch):
     """CPU tensors through Triton's interpreter; every test starts with no reason logged yet."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(vllm_kernel, "_LOGGED", set())
+    monkeypatch.setattr(vllm_kernel, "_WARMED", set())
 
 
 def interleave(t, i):
@@ -149,13 +152,16 @@ def test_expq_kernel_serves_the_layer(activation, bias, dtype, interpret, monkey
     stored = (w13, s13, kw.get("w13_bias"))
     if activation in vllm_kernel.INTERLEAVED:  # as the plugin's loader fills the layer for vLLM's swigluoai
         stored = tuple(None if t is None else interleave(t, I) for t in stored)
-    layer = vllm_layer(stored[0], w2, stored[1], s2, activation=activation, b13=stored[2], b2=kw.get("w2_bias"))
+    layer = vllm_layer(stored[0], w2, stored[1], s2, activation=activation, b13=stored[2], b2=kw.get("w2_bias"),
+                       dtype=dtype)
     with caplog.at_level("INFO", logger="expq.vllm"):
         method = loaded_method(layer, monkeypatch)
     assert method.expq_experts is not None
     assert [r.getMessage() for r in caplog.records] == [
         "EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (model.layers.0.mlp.experts and the "
-        "others)"]
+        "others)",
+        "expq's kernel warmed up for steps of 1 to 8192 tokens (2 step sizes run, one per kernel variant) on "
+        "model.layers.0.mlp.experts and the layers like it"]
     assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w13_scale, s13)  # gate rows then up rows
     out = apply(method, layer, x, tw, ti)
     assert method.vllm_calls == 0 and out.dtype == dtype
@@ -190,7 +196,7 @@ def test_tensor_parallel_ranks_sum_to_the_layer(interpret, monkeypatch):
     ref = moe_reference(*args, **kw)
     total = 0
     for w13, w2, s13, s2, b13, b2 in tp_slices(args, kw, 2):
-        layer = vllm_layer(w13, w2, s13, s2, b13=b13, b2=b2)
+        layer = vllm_layer(w13, w2, s13, s2, b13=b13, b2=b2, dtype=torch.float32)
         total = total + apply(loaded_method(layer, monkeypatch), layer, args[0], args[5], args[6])
     rel, token = errors(total, ref)
     assert rel <= REL_BOUND[torch.float32] and token <= TOKEN_BOUND[torch.float32]
@@ -223,10 +229,36 @@ def test_expert_parallel_ranks_sum_to_the_layer(placement, interpret, monkeypatc
 @pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 def test_router_weight_on_input(interpret, monkeypatch):
     args, _ = make_problem(t=9, top_k=1, dtype=torch.float16, seed=73)
-    layer = vllm_layer(*args[1:5], on_input=True)
+    layer = vllm_layer(*args[1:5], on_input=True, top_k=1)
     out = apply(loaded_method(layer, monkeypatch), layer, args[0], args[5], args[6])
     assert_close_to_reference(out, moe_reference(*args, apply_router_weight_on_input=True), torch.float16,
                               "on input")
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+def test_warm_up_once_per_kind_of_layer(interpret, monkeypatch, caplog):
+    """Every kernel variant a step of up to vLLM's max_num_batched_tokens can run is compiled at load, once per kind
+    of layer: the sizes run are warm_up_token_counts' (here E = 64, top_k = 2: 1 token, unsorted; 5, the first
+    sorted batch: 5 * 2 > 64 / 8; 1025, the first two-pass sort: 2050 pairs x 128 bins > 2^18; with top_k = 1: 1
+    and 9), and a second layer of the same kind runs none."""
+    from expq.kernels.moe import warm_up_token_counts
+
+    monkeypatch.setattr(vllm_kernel, "max_batched_tokens", lambda: 1100)
+    args, _ = make_problem(e=64, h=16, i=16, t=3, dtype=torch.float16, seed=75)
+    w13, w2, s13, s2 = args[1:5]
+    with caplog.at_level("INFO", logger="expq.vllm"):
+        first = loaded_method(vllm_layer(w13, w2, s13, s2, name="m.layers.0.moe"), monkeypatch)
+        same = loaded_method(vllm_layer(w13, w2, s13, s2, name="m.layers.1.moe"), monkeypatch)
+        other = loaded_method(vllm_layer(w13, w2, s13, s2, name="m.layers.2.moe", top_k=1), monkeypatch)
+    warmed = [r.getMessage() for r in caplog.records if "warmed up" in r.getMessage()]
+    assert warmed == [
+        "expq's kernel warmed up for steps of 1 to 1100 tokens (3 step sizes run, one per kernel variant) on "
+        "m.layers.0.moe and the layers like it",
+        "expq's kernel warmed up for steps of 1 to 1100 tokens (2 step sizes run, one per kernel variant) on "
+        "m.layers.2.moe and the layers like it"]
+    assert warm_up_token_counts(1100, 64, 2, 16, 16, torch.float16, "cpu") == [1, 5, 1025]
+    assert warm_up_token_counts(1100, 64, 1, 16, 16, torch.float16, "cpu") == [1, 9]  # two passes from 2049
+    assert all(m.expq_experts is not None for m in (first, same, other))
 
 
 # --- where expq's kernel cannot serve a layer: vLLM's, with one warning per reason ------------------------------

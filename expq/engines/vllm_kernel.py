@@ -23,6 +23,11 @@ else (an all-to-all prepare/finalize of data + expert parallelism, shared expert
 activation or clamp expq's kernel lacks, weights vLLM re-laid for another backend, LoRA) keeps vLLM's kernel, with
 one log line per reason.
 
+At load, each kind of layer expq's kernel serves is warmed up once per process (``ExpqExperts.warm_up``): one
+batch of each size that needs its own compiled kernel variant, up to vLLM's ``max_num_batched_tokens``, so that no
+step size vLLM's own warm-up skips (those between its largest captured CUDA graph and its largest step) compiles
+inside a request.
+
 GPT-OSS's ``swigluoai``: vLLM keeps w13's gate and up rows interleaved (its activation reads even/odd columns);
 expq's kernel reads gate rows then up rows, so a layer that expq serves has w13, its scales and its bias re-laid
 once at load (a permutation of rows: the codes and scales are unchanged).
@@ -88,6 +93,39 @@ class ExpqExperts:
         self.w13_bias = None if w13_bias is None else w13_bias.detach().float().contiguous()
         self.w2_bias = None if w2_bias is None else w2_bias.detach().float().contiguous()
 
+    def warm_up(self, layer: torch.nn.Module, max_tokens: int) -> list[int]:
+        """Compile every kernel variant a step of up to ``max_tokens`` tokens can run on ``layer``
+        (``expq.kernels.moe.warm_up``), once per process for each kind of layer (shapes, activation dtype
+        ``layer.orig_dtype``, activation, biases, expert map, router weight on the input); the token counts run
+        ([] when an earlier layer of the same kind did it). vLLM's own warm-up (profiling at its largest step, CUDA
+        graph capture up to its largest captured batch) misses the step sizes in between, which would otherwise
+        compile inside a request."""
+        from ..kernels.moe import warm_up
+
+        name = getattr(layer, "layer_name", None) or "a MoE layer"
+        top_k = _top_k(layer)
+        if top_k is None:
+            _log_once("no top_k", f"{name}: vLLM's layer says no top_k; expq's kernel compiles each step size the "
+                                  "first time it meets it")
+            return []
+        dtype = getattr(layer, "orig_dtype", torch.bfloat16)
+        emap = getattr(layer, "expert_map", None)
+        on_input = bool(getattr(layer, "apply_router_weight_on_input", False))
+        key = (tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape), str(layer.w13_weight.device), dtype,
+               self.activation, self.w13_bias is not None, self.w2_bias is not None,
+               None if emap is None else emap.numel(), on_input, top_k, max_tokens)
+        if key in _WARMED:
+            return []
+        _WARMED.add(key)
+        counts = warm_up(layer.w13_weight, layer.w2_weight, layer.w13_scale, layer.w2_scale, top_k=top_k,
+                         max_tokens=max_tokens, dtype=dtype, activation=self.activation, w13_bias=self.w13_bias,
+                         w2_bias=self.w2_bias, apply_router_weight_on_input=on_input, expert_map=emap)
+        if layer.w13_weight.is_cuda:
+            torch.cuda.empty_cache()  # the warm-up's buffers: not held into vLLM's memory profiling
+        _LOG.info("expq's kernel warmed up for steps of 1 to %d tokens (%d step sizes run, one per kernel variant) "
+                  "on %s and the layers like it", max_tokens, len(counts), name)
+        return counts
+
     def __call__(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         return self.op(x, layer.w13_weight, layer.w2_weight, layer.w13_scale, layer.w2_scale, topk_weights,
@@ -115,7 +153,37 @@ def setup(method, layer: torch.nn.Module, environ: Mapping[str, str] | None = No
     if activation in INTERLEAVED:
         deinterleave_w13(layer)
     _log_once("served", f"{ENV}=expq: the routed experts run expq's fused-MoE kernel ({name} and the others)")
-    return ExpqExperts(activation, getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None))
+    experts = ExpqExperts(activation, getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None))
+    experts.warm_up(layer, max_batched_tokens())
+    return experts
+
+
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+"""The step size ``max_batched_tokens`` assumes without a vLLM config in context."""
+
+_WARMED: set = set()
+
+
+def max_batched_tokens() -> int:
+    """The most tokens one vLLM step holds (``scheduler_config.max_num_batched_tokens`` of the vLLM config in
+    context), ``DEFAULT_MAX_BATCHED_TOKENS`` without one."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        value = getattr(getattr(get_current_vllm_config(), "scheduler_config", None), "max_num_batched_tokens", None)
+    except Exception:  # noqa: BLE001 - no vLLM config in context
+        value = None
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_BATCHED_TOKENS
+
+
+def _top_k(layer: torch.nn.Module) -> int | None:
+    """The layer's experts per token (vLLM's FusedMoE ``top_k``, else its ``moe_config.experts_per_token``), or
+    None when the layer says neither."""
+    for owner, name in ((layer, "top_k"), (getattr(layer, "moe_config", None), "experts_per_token")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def why_not(method, layer: torch.nn.Module) -> str | None:
