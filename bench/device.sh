@@ -5,7 +5,7 @@
 #   bash bench/device.sh stage 00      # carry [".vllm/bundle.part-00", ".vllm/bundle.sha256"]
 #   bash bench/device.sh stage 01      # carry [".vllm/bundle.part-01"]
 #   bash bench/device.sh install       # carry [".vllm/bundle.part-02", ".whl-min"]: vLLM 0.24 + expq's wheel
-#   bash bench/device.sh gpu-tests     # the GPU kernel tests (~80 s)
+#   bash bench/device.sh gpu-tests     # the GPU kernel and end-to-end tests (~150 s; carry .whl-conv)
 #   bash bench/device.sh kernel-tune   # bench/tune_kernel.py (BUDGET_S, TUNE_ARGS: e.g. "--tokens 1024 --base ...")
 #   bash bench/device.sh kernel-compare  # needs install: compare with vLLM (3 interleaved rounds, ~5 min)
 #   bash bench/device.sh kernel-profile  # needs install: the kernel-by-kernel profile, end to end
@@ -64,9 +64,13 @@ case "${1:-}" in
     vllm_env
     python3 -c "import vllm, expq.engines.vllm as p; print('vllm', vllm.__version__)" ;;
   gpu-tests)
-    export PYTHONPATH=$PWD
     mkdir -p "$OUT"
-    timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider 2>&1 \
+    # the end-to-end file needs expq's dependencies (.whl-conv, installed by convert28 into /tmp/conv-site)
+    if [ -d .whl-conv ] && [ ! -d /tmp/conv-site ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/conv-site .whl-conv/*.whl
+    fi
+    export PYTHONPATH=$PWD:/tmp/conv-site
+    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_gpu_end_to_end.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -15 || true ;;
   kernel-tune)
     export PYTHONPATH=$PWD
