@@ -140,6 +140,40 @@ def test_default_runs_vllms_kernel(interpret, monkeypatch, caplog):
     assert apply(method, layer, args[0], args[5], args[6]) is VLLM_RESULT and method.vllm_calls == 1
 
 
+@pytest.fixture
+def vllm_logging(monkeypatch):
+    """The ``vllm`` logger as vLLM's default logging leaves it (a handler of its own, level INFO, no propagation),
+    writing to a buffer; the plugin's logger as Python leaves it. Both restored afterwards."""
+    import io
+    import logging
+
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logging.Formatter("vllm-format %(levelname)s %(message)s"))
+    theirs, ours = logging.getLogger("vllm"), logging.getLogger("expq.vllm")
+    for logger, attrs in ((theirs, dict(handlers=[handler], level=logging.INFO, propagate=False)),
+                          (ours, dict(handlers=[], level=logging.NOTSET, propagate=True))):
+        for name, value in attrs.items():
+            monkeypatch.setattr(logger, name, value)
+    return buffer
+
+
+def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
+    args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
+    loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe"), monkeypatch)
+    assert vllm_logging.getvalue() == ""  # negative control: INFO of a logger with no handler goes nowhere
+    monkeypatch.setattr(vllm_kernel, "_LOGGED", set())
+    monkeypatch.setattr(vllm_kernel, "_WARMED", set())
+    assert plugin.join_vllm_logging() is True  # what vLLM's entry point (plugin.register) calls first
+    assert plugin.join_vllm_logging() is False  # idempotent
+    loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe"), monkeypatch)
+    assert vllm_logging.getvalue().splitlines() == [
+        "vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (m.layers.0.moe and "
+        "the others)",
+        "vllm-format INFO expq's kernel warmed up for steps of 1 to 8192 tokens (2 step sizes run, one per kernel "
+        "variant) on m.layers.0.moe and the layers like it"]
+
+
 # --- expq's kernel through the plugin's apply --------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 @pytest.mark.parametrize("activation,bias,dtype", [("silu", False, torch.float16), ("gelu", True, torch.float16),

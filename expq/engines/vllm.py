@@ -148,6 +148,7 @@ def register() -> None:
     Raises:
         ExpqError: vLLM is not installed, or lacks even ``register_quantization_config``.
     """
+    join_vllm_logging()
     with _LOCK:
         if "config_cls" in _STATE:
             return
@@ -161,6 +162,24 @@ def register() -> None:
         api.register_quantization_config(QUANT_METHOD)(config_cls)
         _patch_loader(api)
         _STATE.update(api=api, config_cls=config_cls, method_cls=method_cls)
+
+
+def join_vllm_logging() -> bool:
+    """Send the plugin's log lines (logger ``expq.vllm``: the kernel served, its warm-up, fallbacks, version
+    notes) to vLLM's log. vLLM's default logging (``VLLM_CONFIGURE_LOGGING=1``) puts its handlers on the ``vllm``
+    logger, which does not propagate, so a line of another logger below WARNING reaches no handler: where ``vllm``
+    has handlers and ``expq.vllm`` has none, ``expq.vllm`` gets the same handlers, level and propagation (its lines
+    then look like vLLM's). A process where vLLM left logging to the application keeps the application's set-up.
+    Idempotent; returns whether the handlers were joined by this call."""
+    ours, theirs = logging.getLogger(_LOG.name), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return False
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = theirs.propagate
+    return True
 
 
 _PUBLISHED = ("ExpqInt8MoEMethod", "ExpqExpertsInt8Config", "ExpqUnsupportedVllm")
