@@ -464,7 +464,7 @@ def test_register_on_unsupported_vllm_refuses_only_expq_checkpoints(fake_vllm):
 def test_dtype_other_than_the_conversion_is_warned(converted, caplog):
     _, ck, _ = converted("mixtral")
     assert ck.manifest.options.dtype == "bfloat16"
-    with caplog.at_level("WARNING", logger="expq.vllm"):
+    with caplog.at_level("WARNING", logger=plugin.LOGGER):
         plugin._warn_dtype(ck, SimpleNamespace(model="m", dtype=torch.bfloat16))
         assert not caplog.records
         plugin._warn_dtype(ck, SimpleNamespace(model="m", dtype=torch.float16))

@@ -56,7 +56,13 @@ QUANT_METHOD = SERVED.quant_method
 """The ``quant_method`` of the checkpoint's ``quantization_config`` and the name of the registered vLLM config."""
 
 _LOCK = threading.Lock()
-_LOG = logging.getLogger("expq.vllm")
+LOGGER = "vllm.expq"
+"""The plugin's logger (the kernel served, its warm-up, fallbacks, version notes): a child of vLLM's ``vllm``
+logger, so that its lines reach vLLM's log at vLLM's level whenever vLLM configures logging (its default,
+``VLLM_CONFIGURE_LOGGING=1``: a handler on ``vllm``, which does not propagate; a logger outside that tree has no
+handler there, and Python drops its lines below WARNING), before or after the plugin loads; where vLLM leaves
+logging to the application, the lines propagate to the application's handlers."""
+_LOG = logging.getLogger(LOGGER)
 # "api", "config_cls", "method_cls" once registered ("refusal": why not, on an unsupported vLLM); "routing": the
 # last loader call's quantization.
 _STATE: dict[str, Any] = {}
@@ -148,7 +154,6 @@ def register() -> None:
     Raises:
         ExpqError: vLLM is not installed, or lacks even ``register_quantization_config``.
     """
-    join_vllm_logging()
     with _LOCK:
         if "config_cls" in _STATE:
             return
@@ -162,24 +167,6 @@ def register() -> None:
         api.register_quantization_config(QUANT_METHOD)(config_cls)
         _patch_loader(api)
         _STATE.update(api=api, config_cls=config_cls, method_cls=method_cls)
-
-
-def join_vllm_logging() -> bool:
-    """Send the plugin's log lines (logger ``expq.vllm``: the kernel served, its warm-up, fallbacks, version
-    notes) to vLLM's log. vLLM's default logging (``VLLM_CONFIGURE_LOGGING=1``) puts its handlers on the ``vllm``
-    logger, which does not propagate, so a line of another logger below WARNING reaches no handler: where ``vllm``
-    has handlers and ``expq.vllm`` has none, ``expq.vllm`` gets the same handlers, level and propagation (its lines
-    then look like vLLM's). A process where vLLM left logging to the application keeps the application's set-up.
-    Idempotent; returns whether the handlers were joined by this call."""
-    ours, theirs = logging.getLogger(_LOG.name), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return False
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(theirs.getEffectiveLevel())
-    ours.propagate = theirs.propagate
-    return True
 
 
 _PUBLISHED = ("ExpqInt8MoEMethod", "ExpqExpertsInt8Config", "ExpqUnsupportedVllm")

@@ -43,6 +43,7 @@ import torch
 
 from ..errors import ExpqError
 from ..experts import gate_then_up
+from .vllm import LOGGER
 
 ENV = "EXPQ_VLLM_KERNEL"
 KERNELS = ("expq", "vllm")
@@ -59,7 +60,7 @@ INTERLEAVED = frozenset({"swigluoai"})
 
 _PREPARE_FINALIZE = "MoEPrepareAndFinalizeNoDPEPModular"
 _CLAMPS = ("gemm1_clamp_limit", "gemm1_alpha", "gemm1_beta")
-_LOG = logging.getLogger("expq.vllm")
+_LOG = logging.getLogger(LOGGER)
 _LOGGED: set[str] = set()
 
 

@@ -72,3 +72,24 @@ def test_default_keeps_vllms_kernel(converted, vllm_started, monkeypatch):
     _, out = converted("mixtral")
     layers, _, _ = loaded_layers(out, "default")
     assert all(layer.quant_method.expq_experts is None for layer in layers.values())
+
+
+def test_plugin_lines_go_to_vllms_log(capsys):
+    """vLLM's own default logging (applied by vLLM's own function, its stream this test's captured stdout) prints the plugin's INFO
+    lines as its own."""
+    import logging
+
+    import vllm.logger
+
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate, logging.getLogRecordFactory()
+    try:
+        vllm.logger._configure_vllm_root_logger()  # what vLLM runs (0.24: at import; 0.30+: per engine process)
+        logging.getLogger(plugin.LOGGER).info("a line of expq's plugin")
+        logging.getLogger("expq.elsewhere").info("a line outside vLLM's tree")  # negative control: dropped
+    finally:
+        vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate = saved[:3]
+        logging.setLogRecordFactory(saved[3])
+    out = capsys.readouterr()
+    assert "a line of expq's plugin" in out.out and "INFO" in out.out
+    assert "outside vLLM's tree" not in out.out + out.err
