@@ -235,3 +235,31 @@ def test_help_names_arguments_without_placeholders(command):
         usage = next(ln for ln in text.splitlines() if "Usage:" in ln)
         assert usage.strip().strip("│ ").endswith(f"Usage: expq {command} [OPTIONS] {USAGE[command]}"), usage
         assert "{" not in text and "}" not in text, text
+
+
+# --- the console script's exit -------------------------------------------------------------------------------------
+CONSOLE = """
+import atexit, sys, threading, time
+from expq.cli import console
+atexit.register(print, "atexit ran", flush=True)
+if sys.argv[1] == "worker":  # a thread that is not a daemon, still running when the command ends
+    threading.Thread(target=lambda: (time.sleep(0.5), print("the worker finished", flush=True))).start()
+sys.argv = ["expq", *sys.argv[2:]]
+console()
+"""
+
+
+@pytest.mark.parametrize("case", ["help", "error", "worker"])
+def test_console_ends_at_once_after_flushing_unless_something_still_runs(case, tmp_path):
+    args = {"help": ["--help"], "error": ["convert", tmp_path / "no such dir", tmp_path / "out"],
+            "worker": ["--help"]}[case]
+    r = subprocess.run([sys.executable, "-c", CONSOLE, case, *map(str, args)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    if case == "error":
+        assert r.returncode == 2 and r.stderr.strip() == (f"error: file {tmp_path / 'no such dir'}: no such "
+                                                          "directory, and not a Hub repo id"), r.stderr
+    else:
+        assert r.returncode == 0 and "Usage: expq [OPTIONS] COMMAND" in r.stdout, r.stderr  # flushed first
+    # the interpreter's teardown (atexit hooks, module finalisation) runs only where a thread still works
+    assert ("atexit ran" in r.stdout) == (case == "worker"), r.stdout
+    assert ("the worker finished" in r.stdout) == (case == "worker"), r.stdout
