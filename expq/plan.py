@@ -35,10 +35,10 @@ SLICE_BYTES = 256 << 20
 """The most bytes of routed-expert rows in the compute dtype that one slice of a stacked expert tensor holds
 (``Slice``; at least one expert a slice). What a slice costs the host while the pipeline computes it is about 2.5x
 this (its decoded rows, their contiguous copy in the compute dtype, the codes; plus its stored bytes), so a job in
-flight holds about 0.7 GiB whatever the number of experts, instead of the whole tensor (GPT-OSS-120B's
-``gate_up_proj``: 4.25 GB decoded, 2.1 GB of codes). 256 MiB is still two to eight times what a per-expert job of
-the large per-expert families holds (DeepSeek-V3 29 MB, Qwen3-235B 25 MB, Mixtral-8x22B 197 MB), which run at full
-speed: the per-slice costs (one dispatch over the thread pool, one GPU synchronisation) stay negligible.
+computation holds about 0.7 GB whatever the number of experts, instead of the whole tensor (GPT-OSS-120B's
+``gate_up_proj``: 4.25 GB decoded, 2.1 GB of codes; 16 slices of 8 experts now). 256 MiB is more than a job of the
+per-expert families holds (one matrix: DeepSeek-V3 29 MB, Qwen3-235B-A22B 13 MB, Mixtral-8x22B 201 MB), and those
+run at full speed: the per-slice costs (one dispatch over the thread pool, one GPU synchronisation) stay negligible.
 The output bytes do not depend on it (the scheme is per row). ``EXPQ_SLICE_BYTES`` (a size, e.g. ``64MiB``)
 overrides it; read when a plan is made (``slice_bytes``)."""
 SLICE_ENV = "EXPQ_SLICE_BYTES"
