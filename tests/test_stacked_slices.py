@@ -47,6 +47,7 @@ def quantize_jobs(p):
 @pytest.mark.parametrize("name", ["gpt_oss-bf16", "gpt_oss-mxfp4", "granitemoe-fp8", "dbrx-bf16"])
 def test_slices_cover_each_stacked_tensor_once_within_the_budget(sources, name, monkeypatch):
     src = sources[name]
+    monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
     assert all(len(j.slices) == 1 for j in quantize_jobs(expq.inspect(src)))  # the default: whole
     monkeypatch.setenv(plan_mod.SLICE_ENV, str(BUDGET))
     p = expq.inspect(src)
@@ -120,6 +121,7 @@ def test_sliced_conversion_is_byte_identical(sources, name, fmt, tmp_path, monke
 def test_what_a_job_holds_at_once_is_bounded_by_the_budget(sources, name, tmp_path, monkeypatch):
     """The largest stored read, decoded tensor, row block quantized and scale pass of a conversion: about one
     slice (budget-sized), where unsliced they are the whole tensor (four experts)."""
+    monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
     seen: dict[str, int] = {"read": 0, "decoded": 0, "quantized": 0, "front": 0}
 
     def note(key, t):
@@ -163,6 +165,7 @@ def test_a_conversion_killed_between_slices_resumes_to_the_same_bytes(sources, t
     written and others not, in a shard not finished: the same command again gives the unsliced conversion's
     bytes."""
     src = sources["gpt_oss-mxfp4"]
+    monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
     ref = tmp_path / "ref"
     expq.convert(src, ref, device="cpu", max_shard_size=SHARD, format="experts-int8")
     monkeypatch.setenv(plan_mod.SLICE_ENV, str(BUDGET))
