@@ -7,12 +7,13 @@ budget, not by the number of experts."""
 from __future__ import annotations
 
 import functools
+import shutil
 import signal
 
 import pytest
 import torch
 from fp8_fixture import make_fp8_stacked
-from helpers import example, start_cli, tree_digest
+from helpers import edit_shard_tensors, example, start_cli, tree_digest
 from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
 
 import expq
@@ -179,3 +180,28 @@ def test_a_conversion_killed_between_slices_resumes_to_the_same_bytes(sources, t
         assert not out.exists()
         expq.convert(src, out, device="cpu", max_shard_size=SHARD, format="experts-int8")
         assert tree_digest(out) == tree_digest(ref), n
+
+
+def test_row_findings_add_up_over_the_slices(sources, tmp_path, monkeypatch):
+    """Zero and underflowing rows in several slices of a tensor: counted and listed as when it is taken whole."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["gpt_oss-bf16"], src)
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # [E, H, 2I]: a scheme row is a column of an expert's block
+
+    def edit(tensors):
+        w = tensors[name]
+        for e in (1, 3):
+            w[e, :, 5 + e] = 0
+        w[0, :, 9] = w[2, :, 9] = w[3, :, 2] = 1e-39  # a scale of 1e-39 / 127 underflows in bf16
+
+    edit_shard_tensors(src, name, edit)
+    monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
+    whole = expq.convert(src, tmp_path / "whole", device="cpu", format="experts-int8")
+    monkeypatch.setenv(plan_mod.SLICE_ENV, str(BUDGET))
+    sliced = expq.convert(src, tmp_path / "sliced", device="cpu", format="experts-int8")
+    assert (whole.zero_rows, whole.underflow_rows) == (2, 3)
+    assert (sliced.zero_rows, sliced.underflow_rows, sliced.underflow_examples) == \
+        (whole.zero_rows, whole.underflow_rows, whole.underflow_examples)
+    assert [e.split(" expert ")[1].split(" ", 2)[:2] for e in whole.underflow_examples] == \
+        [["0", "up"], ["2", "up"], ["3", "gate"]]  # in row order: stored columns 9, 9 and 2 (odd: up)
+    assert tree_digest(tmp_path / "sliced") == tree_digest(tmp_path / "whole")
