@@ -7,8 +7,8 @@ files describe. A ``Decoder`` maps the stored tensors of a checkpoint onto logic
 it depends on, such as its ``weight_scale_inv``, possibly in another shard) and decodes one logical tensor at a time.
 A plain (unquantized) checkpoint maps every stored tensor to itself (``decoders/plain.py``).
 
-To add a source format: copy ``decoders/plain.py``, implement the four methods, and add the class to
-``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
+To add a source format: copy ``decoders/plain.py``, implement its methods (``narrow``: how to cut a tensor by
+experts), and add the class to ``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
 """
 
 from __future__ import annotations
