@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Protocol
 
 import torch
@@ -93,6 +93,31 @@ class ExpertTensor:
     @property
     def rows_per_matrix(self) -> int:
         return self.matrices[0].rows
+
+    @property
+    def stacked_experts(self) -> int:
+        """How many experts the tensor stacks along its leading dimension (0: a per-expert tensor)."""
+        return self.extract.experts if self.extract is not None else 0
+
+    def experts_slice(self, first: int, stop: int) -> "ExpertTensor":
+        """Experts ``[first, stop)`` of a stacked tensor as an ExpertTensor of their own: their matrices (in row
+        order), extracted by ``to_rows`` from the rows ``leading_range(first, stop, shape)`` of the tensor's leading
+        dimension. Row ``r`` of the slice's ``to_rows`` is row ``r + first * rows of one expert`` of the whole's."""
+        per = len(self.matrices) // self.stacked_experts
+        return ExpertTensor(self.name, self.matrices[first * per: stop * per],
+                            replace(self.extract, experts=stop - first))
+
+    def leading_range(self, first: int, stop: int, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The range of the leading dimension of a stacked tensor of ``shape`` that holds experts ``[first, stop)``:
+        ``(first, stop)`` for ``[E, a, b]``, ``(first * a, stop * a)`` for flat ``[E*a, b]``.
+
+        Example:
+            >>> et = ExpertTensor("w1", (), Extract("gate", "out_in", "single", 4))
+            >>> et.leading_range(1, 3, (4, 8, 2)), et.leading_range(1, 3, (32, 2))
+            ((1, 3), (8, 24))
+        """
+        per = shape[0] // self.stacked_experts
+        return first * per, stop * per
 
     def row_dim(self, shape: tuple[int, ...]) -> int | None:
         """The dimension of this tensor (of ``shape``, as ``to_rows`` takes it) along which each of its matrices'

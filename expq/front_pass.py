@@ -18,7 +18,7 @@ import torch
 from . import cpu_kernels, parallel
 from .errors import NonFiniteError, OutputError
 from .io.safetensors import copy_bytes, map_tensor
-from .plan import Job, JobKind, OutTensor, Plan
+from .plan import Job, JobKind, OutTensor, Plan, Slice
 from .scheme import canonical_nan_, matrix_scales, scales_from_absmax
 
 if TYPE_CHECKING:
@@ -70,9 +70,10 @@ class FrontPass:
     the pipeline skips these outputs):
 
     * a copy job: copied (``copy_bytes``); a decode job: decoded and written;
-    * a quantize job: its stored tensors mapped (``io.safetensors.map_tensor``: no copy), decoded if stored quantized, the
-      row absmax and the scales taken (``scheme.matrix_scales``: the bits ``quantize_matrix`` gives), and the
-      format's encoding of those scales written.
+    * a quantize job, slice by slice (``plan.Slice``: a stacked tensor's runs of experts): its stored tensors mapped
+      (``io.safetensors.map_tensor``: no copy), decoded if stored quantized, the row absmax and the scales taken
+      (``scheme.matrix_scales``: the bits ``quantize_matrix`` gives), and the format's encoding of those scales
+      written.
 
     Where it computes: on the CPU for tensors stored in a float dtype when the fused kernels are there (a single
     read of the values) and for quantized ones whose decoder offers the row absmax (``Decoder.row_absmax``: the FP8
@@ -124,54 +125,65 @@ class FrontPass:
             run_copy(plan, job, run.shards)
             return
         device = self._device(job)
+        if job.kind is JobKind.DECODE:
+            parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
+            t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
+                if src.decoded else parts[src.stored]
+            parts.clear()
+            check_decoded(job, t, run.allow_nonfinite)
+            run.shards.write(job.outputs[0], t.cpu())
+            return
+        front = {o.name for o in run.front[index]}
+        for piece in job.slices:  # a stacked tensor slice by slice: what is mapped and computed stays bounded
+            if self.run.halted():
+                raise Halt
+            self._slice(job, piece, device, front)
+
+    def _slice(self, job: Job, piece: Slice, device: torch.device, front: set[str]) -> None:
+        """Write the front outputs of one slice of a quantize job: its matrices' scales, encoded by the format."""
+        run, plan, src = self.run, self.run.plan, piece.tensor
         parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
         # a quantized source's scales from the decoder's row absmax wherever it offers it (one read on the CPU's
         # fused kernels: cheaper than moving and decoding the tensor on a GPU that the pipelines decode it on again)
-        scales = self._decoded_scales(job, parts) if job.kind is JobKind.QUANTIZE else None
+        scales = self._decoded_scales(piece, parts)
         if scales is not None:
             device = torch.device("cpu")
         else:
             t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
                 if src.decoded else parts[src.stored]
             parts.clear()
-            if job.kind is JobKind.DECODE:
-                check_decoded(job, t, run.allow_nonfinite)
-                run.shards.write(job.outputs[0], t.cpu())
-                return
-            w = job.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
+            w = piece.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
             del t
             scales = matrix_scales(w)
             del w
         del parts
         # the codes: not part of the front
-        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(len(scales), job.matrices[0].cols)
-        front = {o.name for o in run.front[index]}
-        for group, tensors in zip(job.groups, plan.format.encode(stub, scales, job.expert.matrices)):
+        stub = torch.zeros(1, dtype=torch.int8, device=device).expand(len(scales), piece.expert.matrices[0].cols)
+        for group, tensors in zip(job.groups_of(piece), plan.format.encode(stub, scales, piece.expert.matrices)):
             outs = [o for o in group if o.value is None]
             for o, (_, x) in zip(outs, tensors):
                 if o.name in front:
                     run.shards.write(o, x.cpu())
 
-
-    def _decoded_scales(self, job: Job, parts: dict) -> torch.Tensor | None:
-        """The scales of a quantize job stored quantized, from the decoder's row absmax (``Decoder.row_absmax``:
-        the FP8 block and the MXFP4 decoders read each byte once and write no decoded tensor) over the dimension
-        along which the matrices' rows run (``ExpertTensor.row_dim``), where the decoder offers it for that
-        dimension; else None (the caller decodes).
+    def _decoded_scales(self, piece: Slice, parts: dict) -> torch.Tensor | None:
+        """The scales of a quantize job's slice stored quantized, from the decoder's row absmax
+        (``Decoder.row_absmax``: the FP8 block and the MXFP4 decoders read each byte once and write no decoded
+        tensor) over the dimension along which the matrices' rows run (``ExpertTensor.row_dim``), where the decoder
+        offers it for that dimension; else None (the caller decodes).
 
         The same bits as ``matrix_scales`` of the decoded rows in the compute dtype: the conversion from bf16 to the
         compute dtype is monotonic in magnitude (exact to fp32; to fp16 rounded to nearest even, overflowing to
         inf; NaN stays NaN), so the absmax of the converted row is the converted absmax; then the same scale
         arithmetic (``scales_from_absmax``) and NaN stored canonical."""
-        src = job.tensor
-        dim = job.expert.row_dim(src.shape)
+        src, et = piece.tensor, piece.expert
+        dim = et.row_dim(src.shape)
         if not src.decoded or dim is None:
             return None
         row_absmax = getattr(self.run.plan.source.decoder, "row_absmax", None)  # (a decoder registered before it)
         amax = row_absmax(src, parts.__getitem__, dim) if row_absmax is not None else None
         if amax is None:
             return None
-        amax = job.expert.to_rows(amax)[:, 0].to(self.run.plan.compute_dtype)
+        amax = et.to_rows(amax)[:, 0].to(self.run.plan.compute_dtype)
         return canonical_nan_(scales_from_absmax(amax))
 
 

@@ -5,7 +5,10 @@ pipeline is free: in file order with one device, the largest first with several.
 and writing overlap:
 
 * **read**: the stored bytes of the next job, one ``readinto`` of each tensor's whole span (into pinned host memory
-  when the device is a GPU); a byte budget (``PIPELINE_BYTES``) caps what is read ahead and not yet written;
+  when the device is a GPU); a stacked expert tensor larger than ``plan.SLICE_BYTES`` goes through the three stages
+  slice by slice (``plan.Slice``: runs of whole experts, only their stored bytes read), so that what one job holds
+  does not grow with the number of experts; a byte budget (``PIPELINE_BYTES``) caps what is read ahead and not yet
+  written;
 * **compute**: decode (quantized source tensors, on the pipeline's device), cast to the compute dtype on the device
   and run the experts_int8 scheme on every row of every routed-expert matrix of the tensor
   (``scheme.quantize_matrix``: row blocks over the thread pool on a CPU; on a GPU asynchronous copies on the
@@ -38,7 +41,7 @@ from .errors import NonFiniteError
 from .interrupts import StopSignal
 from .io import buffers
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, read_tensor
-from .plan import Job, JobKind, OutTensor, Plan
+from .plan import Job, JobKind, OutTensor, Plan, Slice
 from .scheme import quantize_matrix
 from .front_pass import FrontPass, Halt, check_decoded, front_outputs, run_copy
 from .output.shards import ShardSet
@@ -129,11 +132,13 @@ class RunStats:
 
 @dataclass
 class _Item:
-    """One job on its way through a pipeline: what it holds at each stage."""
+    """One job, or one slice of a quantize job, on its way through a pipeline: what it holds at each stage."""
 
     index: int
     job: Job
     cost: int  # bytes charged to the pipeline's budget until written
+    piece: Slice | None = None  # a quantize job's slice (the others: None)
+    last: bool = True  # the job's last item: the job is done once it is written
     parts: dict[TensorInfo, torch.Tensor] | None = None  # stored tensors read (read stage)
     writes: list[tuple[OutTensor, torch.Tensor]] = field(default_factory=list)  # host tensors to write (compute)
     rows_found: dict | None = None
@@ -253,6 +258,7 @@ class _DevicePipeline:
         self.write_q: queue.Queue = queue.Queue(QUEUE_DEPTH)
         self.count = 0
         self.stream = None
+        self.partial: dict[int, dict] = {}  # job index -> row findings of the slices computed so far (compute)
         self.threads = [threading.Thread(target=self._stage, args=(fn,), name=f"expq-{fn.__name__[1:]}-{device}",
                                          daemon=True) for fn in (self._read, self._compute, self._write)]
 
@@ -285,19 +291,32 @@ class _DevicePipeline:
                 break
             run.unit_taken()
             for index, job in unit:
-                item = _Item(index, job, cost=0 if job.kind is JobKind.COPY else
-                             job.tensor.nbytes_stored + sum(o.nbytes for o in job.outputs))
-                self.budget.acquire(item.cost)
-                if run.feeder is not None:
-                    for f in dict.fromkeys(p.file for p in job.tensor.parts):
-                        run.feeder.wait(f)
-                if run.halted():
-                    raise Halt
-                item.front_done = index in run.front and not run.claim(index, "pipeline")
-                if job.kind is JobKind.QUANTIZE or (job.kind is JobKind.DECODE and not item.front_done):
-                    item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in job.tensor.parts}
-                run.put(self.read_q, item)
+                self._read_job(index, job)
         run.put(self.read_q, _END)
+
+    def _read_job(self, index: int, job: Job) -> None:
+        """Hand one job to the compute stage: one item, or one per slice of a quantize job (``Job.slices``), each
+        holding only its own stored bytes and charged for those and its outputs."""
+        run = self.run
+        pieces = job.slices or (None,)
+        front_done = False
+        for k, piece in enumerate(pieces):
+            src = piece.tensor if piece is not None else job.tensor
+            outs = job.outputs if piece is None else [o for g in job.groups_of(piece) for o in g]
+            item = _Item(index, job, cost=0 if job.kind is JobKind.COPY else
+                         src.nbytes_stored + sum(o.nbytes for o in outs), piece=piece, last=k == len(pieces) - 1)
+            self.budget.acquire(item.cost)
+            if k == 0 and run.feeder is not None:
+                for f in dict.fromkeys(p.file for p in job.tensor.parts):
+                    run.feeder.wait(f)
+            if run.halted():
+                raise Halt
+            if k == 0:
+                front_done = index in run.front and not run.claim(index, "pipeline")
+            item.front_done = front_done
+            if job.kind is JobKind.QUANTIZE or (job.kind is JobKind.DECODE and not item.front_done):
+                item.parts = {p: read_tensor(run.plan.source.root, p, pinned=self.cuda) for p in src.parts}
+            run.put(self.read_q, item)
 
     # --- compute ---------------------------------------------------------------------------------------------------
     def _compute(self) -> None:
@@ -320,15 +339,15 @@ class _DevicePipeline:
         run.put(self.write_q, _END)
 
     def _logical(self, item: _Item) -> torch.Tensor:
-        src = item.job.tensor
+        src = item.piece.tensor if item.piece is not None else item.job.tensor
         if not src.decoded:
             return item.parts[src.stored]
         device = self.device if self.cuda else None
         return self.run.plan.source.decoder.decode(src, item.parts.__getitem__, device=device)
 
     def _quantize(self, item: _Item) -> None:
-        plan, job = self.run.plan, item.job
-        et = job.expert
+        plan, job, piece = self.run.plan, item.job, item.piece
+        et = piece.expert
         t = self._logical(item)
         w = et.to_rows(t.to(self.device, non_blocking=True))
         del t
@@ -338,10 +357,10 @@ class _DevicePipeline:
             w = buffers.empty(w.shape, plan.compute_dtype).copy_(w)
         codes, scales, rep = quantize_matrix(w)
         del w
-        item.rows_found = _rows_found(job, rep, plan, self.run.allow_nonfinite)
+        item.rows_found = self._job_rows_found(item, _rows_found(job, piece, rep, plan, self.run.allow_nonfinite))
         encoded = plan.format.encode(codes, scales, et.matrices)
         del codes
-        for group, tensors in zip(job.groups, encoded):
+        for group, tensors in zip(job.groups_of(piece), encoded):
             outs = [o for o in group if o.value is None]
             if [s.name for s, _ in tensors] != [o.name for o in outs]:
                 raise RuntimeError(f"internal: the format returned {[s.name for s, _ in tensors]} where the plan "
@@ -352,6 +371,16 @@ class _DevicePipeline:
         if item.front_done:
             front = {o.name for o in self.run.front[item.index]}
             item.writes = [(o, x) for o, x in item.writes if o.name not in front]
+
+    def _job_rows_found(self, item: _Item, found: dict) -> dict | None:
+        """The row findings of a job quantized slice by slice, added up in slice order (the same as the whole
+        tensor's: the rows come in the same order): the job's at its last slice, else None (kept until then)."""
+        if item.piece.first > 0:
+            found = _merge_found(self.partial.pop(item.index), found)
+        if item.last:
+            return found
+        self.partial[item.index] = found
+        return None
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -376,15 +405,19 @@ class _DevicePipeline:
                     run.shards.write(out, x)
             item.writes = []
             self.budget.release(item.cost)
+            if not item.last:
+                continue
             self.count += 1
             run.job_done(job)
             if run.on_progress:
                 run.on_progress(job.tensor.nbytes_stored, len(run.shards.closed))
 
 
-def _rows_found(job: Job, rep, plan: Plan, allow_nonfinite: bool) -> dict:
-    """The job's row findings (JSON-ready); raises NonFiniteError for a NaN/inf row unless allowed."""
-    src, et = job.tensor, job.expert
+def _rows_found(job: Job, piece: Slice, rep, plan: Plan, allow_nonfinite: bool) -> dict:
+    """The row findings of one slice of a job (JSON-ready); raises NonFiniteError for a NaN/inf row unless
+    allowed."""
+    src, et = job.tensor, piece.expert
+    where = "this tensor" if piece.tensor is src else f"experts {piece.first}-{piece.stop - 1} of this tensor"
     rows = et.rows_per_matrix
 
     def note(r: int) -> RowNote:
@@ -396,12 +429,18 @@ def _rows_found(job: Job, rep, plan: Plan, allow_nonfinite: bool) -> dict:
         cast = "" if TORCH_DTYPES[src.dtype] == plan.compute_dtype else f" after the cast from {src.dtype} to " \
             f"{str(plan.compute_dtype).removeprefix('torch.')}"
         raise NonFiniteError(f"routed-expert row holds NaN or infinity{cast} ({len(rep.nonfinite_rows)} such rows "
-                             f"in this tensor, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
+                             f"in {where}, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
                              file=src.file, tensor=src.name, expert=n.expert, row=n.row,
                              hint="pass --allow-nonfinite to reproduce vLLM anyway")
     return {"zero": len(rep.zero_rows), "underflow": len(rep.underflow_rows), "nonfinite": len(rep.nonfinite_rows),
             "underflow_examples": [_note(note(r)) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
             "nonfinite_examples": [_note(note(r)) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
+
+
+def _merge_found(a: dict, b: dict) -> dict:
+    """Row findings of consecutive slices of one job added up: counts summed, examples in row order, at most
+    ``MAX_LISTED_ROWS`` of each."""
+    return {k: (a[k] + b[k])[:MAX_LISTED_ROWS] if k.endswith("_examples") else a[k] + b[k] for k in a}
 
 
 def _note(n: RowNote) -> list:

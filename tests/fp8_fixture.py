@@ -151,3 +151,25 @@ def make_fp8_deepseek(bf16_dir: str | Path, out_dir: str | Path, block: tuple[in
     _write(fp8_dir, fp8, {**config, "quantization_config": fp8_quantization_config(block)}, bf16_dir)
     _write(vendor_dir, vendor, config, bf16_dir)
     return fp8_dir, vendor_dir
+
+
+def make_fp8_stacked(bf16_dir: str | Path, out_dir: str | Path, suffixes: tuple[str, ...],
+                     block: tuple[int, int] = (16, 16)) -> Path:
+    """An FP8 block-scale source of a family with stacked experts: every 3-D tensor ``[E, rows, cols]`` whose name
+    ends with one of ``suffixes`` (e.g. granitemoe's ``.input_linear.weight``) quantized expert by expert with
+    ``vendor_quant``, its ``weight_scale_inv`` F32 ``[E, ceil(rows/br), ceil(cols/bc)]`` in the same shard; every
+    other tensor as it is. Returns the new checkpoint's directory (``out_dir/fp8``)."""
+    bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
+    config = json.loads((bf16_dir / "config.json").read_text())
+    assert "quantization_config" not in config, "start from an unquantized checkpoint"
+    shards = _read_shards(bf16_dir)
+    fp8: dict[str, dict[str, torch.Tensor]] = {f: {} for f in shards}
+    for f, tensors in shards.items():
+        for name, t in tensors.items():
+            if t.dim() == 3 and name.endswith(suffixes):
+                q, s = zip(*(vendor_quant(t[e], *block) for e in range(t.shape[0])))
+                fp8[f][name], fp8[f][name + "_scale_inv"] = torch.stack(q), torch.stack(s)
+            else:
+                fp8[f][name] = t
+    _write(out_dir / "fp8", fp8, {**config, "quantization_config": fp8_quantization_config(block)}, bf16_dir)
+    return out_dir / "fp8"

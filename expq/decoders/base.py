@@ -7,8 +7,8 @@ files describe. A ``Decoder`` maps the stored tensors of a checkpoint onto logic
 it depends on, such as its ``weight_scale_inv``, possibly in another shard) and decodes one logical tensor at a time.
 A plain (unquantized) checkpoint maps every stored tensor to itself (``decoders/plain.py``).
 
-To add a source format: copy ``decoders/plain.py``, implement the four methods, and add the class to
-``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
+To add a source format: copy ``decoders/plain.py``, implement its methods (``narrow``: how to cut a tensor by
+experts), and add the class to ``decoders/__init__.py``'s ``DECODERS`` (tried in order by ``detect``).
 """
 
 from __future__ import annotations
@@ -132,6 +132,26 @@ class Decoder(Protocol):
             SourceError: as ``decode``.
         """
         ...
+
+    def narrow(self, tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor | None:
+        """``tensor[start:stop]`` along its leading dimension as a logical tensor of its own: the same name, dtype
+        and decoding, shape ``(stop - start, *tensor.shape[1:])``, parts narrowed to the stored bytes that hold those
+        rows (``TensorInfo.narrow``), so that ``decode`` and ``row_absmax`` of it give exactly the rows
+        ``[start:stop]`` of theirs on the whole tensor. The pipeline quantizes a stacked expert tensor ``[E, ...]``
+        by slices of experts this way (``plan.Slice``). None where this format cannot cut the tensor there without
+        reading other rows (e.g. a block of scales straddling ``start``): the caller takes the tensor whole.
+        A tensor stored as it is: ``narrow_stored``.
+        """
+        ...
+
+
+def narrow_stored(tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor:
+    """``tensor[start:stop]`` along its leading dimension for a tensor stored as it is (not decoded): its one part
+    narrowed (``TensorInfo.narrow``). What every decoder's ``narrow`` answers for such a tensor."""
+    if tensor.decoded or len(tensor.parts) != 1:
+        raise ValueError(f"internal: {tensor.name} is not stored as it is")
+    return LogicalTensor(tensor.name, tensor.dtype, (stop - start, *tensor.shape[1:]),
+                         (tensor.stored.narrow(start, stop),), how=tensor.how)
 
 
 def source_quantization_config(config: dict) -> dict | None:

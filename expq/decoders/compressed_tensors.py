@@ -51,7 +51,7 @@ from .. import parallel
 from ..errors import SourceError
 from ..io import buffers
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
-from .base import LogicalTensor, ReadFn, source_quantization_config
+from .base import LogicalTensor, ReadFn, narrow_stored, source_quantization_config
 
 if TYPE_CHECKING:
     from ..experts import ExpertMap
@@ -256,6 +256,12 @@ class CompressedTensorsDecoder:
     def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
         """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
         return None
+
+    def narrow(self, tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor | None:
+        """A tensor stored as it is: ``narrow_stored``. A quantized module's weight: None (taken whole). Such a
+        weight is a linear layer's 2-D ``M.weight`` ``[out, in]`` (its ``weight_shape`` holds exactly that), never
+        a stacked ``[E, ...]`` expert tensor, so no conversion slices it. See ``Decoder.narrow``."""
+        return None if tensor.decoded else narrow_stored(tensor, start, stop)
 
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Decompress one module's weight with its compressor's ``decompress`` (see the module docstring), by bands

@@ -30,7 +30,7 @@ from ..errors import SourceError
 from ..io import buffers
 from ..io.safetensors import TORCH_DTYPES, TensorInfo
 from ..scheme import canonical_nan_
-from .base import LogicalTensor, ReadFn, source_quantization_config
+from .base import LogicalTensor, ReadFn, narrow_stored, source_quantization_config
 
 if TYPE_CHECKING:
     from ..experts import ExpertMap
@@ -225,6 +225,28 @@ class Fp8BlockDecoder:
         else:
             out = _decode_cpu(w3, s3, block, fused=False)
         return out.view(w.shape)
+
+    def narrow(self, tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor | None:
+        """Rows ``[start:stop]`` of the leading dimension of an FP8 weight: per-tensor FP8, the weight narrowed and
+        the one scale kept; block scales over a weight of 3 or more dimensions (stacked ``[E, rows, cols]``: each
+        expert has its own blocks), weight and scale narrowed alike; a 2-D weight (flat ``[E*rows, cols]``), the
+        weight narrowed and the scale to the block rows that cover it, where ``start`` and ``stop`` fall on block-row
+        boundaries (``stop`` may be the end), else None (a block would straddle the cut). A tensor stored as it is:
+        ``narrow_stored``. See ``Decoder.narrow``."""
+        if not tensor.decoded:
+            return narrow_stored(tensor, start, stop)
+        w, s = tensor.parts
+        if self.block is None:
+            parts = (w.narrow(start, stop), s)
+        elif len(w.shape) >= 3:
+            parts = (w.narrow(start, stop), s.narrow(start, stop))
+        else:
+            br = self.block[0]
+            if start % br or (stop % br and stop != w.shape[0]):
+                return None
+            parts = (w.narrow(start, stop), s.narrow(start // br, math.ceil(stop / br)))
+        return LogicalTensor(tensor.name, tensor.dtype, (stop - start, *tensor.shape[1:]), parts, decoded=True,
+                             how=tensor.how)
 
     @staticmethod
     def _read(tensor: LogicalTensor, read: ReadFn) -> tuple[torch.Tensor, torch.Tensor]:

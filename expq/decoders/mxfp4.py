@@ -50,7 +50,7 @@ from .. import cpu_kernels, parallel
 from ..errors import SourceError
 from ..io import buffers
 from ..io.safetensors import TensorInfo
-from .base import LogicalTensor, ReadFn, source_quantization_config
+from .base import LogicalTensor, ReadFn, narrow_stored, source_quantization_config
 
 if TYPE_CHECKING:
     from ..experts import ExpertMap
@@ -166,6 +166,15 @@ class Mxfp4Decoder:
 
         parallel.each(tile, [(e, r0) for e in range(E) for r0 in range(0, R, rows)])
         return out.view(E, 1, R)
+
+    def narrow(self, tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor | None:
+        """Experts ``[start:stop]``: the blocks ``[E, R, G, 16]`` and the scales ``[E, R, G]`` narrowed alike along
+        their leading dimension (each expert's blocks and scales are its own; the logical ``[E, in, out]`` keeps the
+        leading ``E``). A tensor stored as it is: ``narrow_stored``. See ``Decoder.narrow``."""
+        if not tensor.decoded:
+            return narrow_stored(tensor, start, stop)
+        return LogicalTensor(tensor.name, tensor.dtype, (stop - start, *tensor.shape[1:]),
+                             tuple(p.narrow(start, stop) for p in tensor.parts), decoded=True, how=tensor.how)
 
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Dequantize one MXFP4 tensor.

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import SourceError
 from ..io.safetensors import TensorInfo
-from .base import LogicalTensor, ReadFn
+from .base import LogicalTensor, ReadFn, narrow_stored
 
 if TYPE_CHECKING:
     from ..experts import ExpertMap
@@ -37,6 +37,10 @@ class PlainDecoder:
     def row_absmax(self, tensor: LogicalTensor, read: ReadFn, dim: int = -1) -> torch.Tensor | None:
         """Not offered (None): the caller decodes. See ``Decoder.row_absmax``."""
         return None
+
+    def narrow(self, tensor: LogicalTensor, start: int, stop: int) -> LogicalTensor | None:
+        """Its stored bytes of those rows (``narrow_stored``). See ``Decoder.narrow``."""
+        return narrow_stored(tensor, start, stop)
 
     def decode(self, tensor: LogicalTensor, read: ReadFn, device: torch.device | None = None) -> torch.Tensor:
         """Never called: nothing is stored quantized. Raises SourceError if it is."""

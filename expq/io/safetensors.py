@@ -86,6 +86,26 @@ class TensorInfo:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def narrow(self, start: int, stop: int) -> "TensorInfo":
+        """The tensor's ``[start:stop]`` along its leading dimension: the same file, name and dtype, the byte range
+        that holds those rows (a leading-dimension range of a row-major tensor is one contiguous span).
+
+        Example:
+            >>> TensorInfo("w", "f", "BF16", (4, 3), 100, 124).narrow(1, 3)
+            TensorInfo(name='w', file='f', dtype='BF16', shape=(2, 3), start=106, end=118)
+
+        Raises:
+            ValueError: not ``0 <= start <= stop <= shape[0]``, a 0-D tensor, or rows that are not whole bytes.
+        """
+        if not self.shape or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"cannot narrow {list(self.shape)} to [{start}:{stop}] along its leading dimension")
+        row_bits = math.prod(self.shape[1:]) * DTYPE_BITS[self.dtype]
+        if row_bits % 8:
+            raise ValueError(f"rows of {self.dtype} {list(self.shape)} are not whole bytes")
+        row = row_bits // 8
+        return TensorInfo(self.name, self.file, self.dtype, (stop - start, *self.shape[1:]),
+                          self.start + start * row, self.start + stop * row)
+
 
 @dataclass
 class Shard:
