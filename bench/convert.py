@@ -64,7 +64,7 @@ maximum (memory, disk) of ``--runs`` runs:
   that (``procs``). Where it is not installed or does not import, the row says why and the rest runs.
 * ``expq-cpu``, ``expq-cuda``, ``expq-cuda:N``, ``expq-cuda:0,cuda:1``: the expq command line, ``python -m
   expq.cli convert SRC OUT --device D --json`` (start-up and imports count). For CUDA devices the same command line
-  runs inside a wrapper (``runpy`` of ``expq.cli`` in the same process) that afterwards records
+  runs inside a wrapper (``expq.cli.main`` in the same process, ending as the console script does) that records
   ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of each device used: the allocator's peaks are
   visible only from inside. CUDA variants are skipped (with the reason) where torch sees no or too few GPUs.
 * ``expq-stream[:DEVICE]``: a local Hub (``tests/hub_server.py``'s ``HubServer`` on 127.0.0.1, started in this
@@ -651,18 +651,21 @@ def cuda_indices(spec):
 """
 
 EXPQ_CLI_GPU = GPU_STATS + r"""
-import json, os, runpy, sys
+import json, os, sys
 argv = sys.argv[1:]
 device = argv[argv.index("--device") + 1] if "--device" in argv else "auto"
 sys.argv = ["expq", *argv]
 code = 0
+import expq.cli
 try:
-    runpy.run_module("expq.cli", run_name="__main__", alter_sys=True)
+    expq.cli.main()  # the command in this process (expq.cli.console would end it before the stats are taken)
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 with open(os.environ["BENCH_GPU_STATS"], "w") as f:
     json.dump(gpu_stats(cuda_indices(device)), f)
-sys.exit(code)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)  # as the console script ends (expq.cli.console): no interpreter teardown
 """
 
 STREAM = GPU_STATS + r"""
