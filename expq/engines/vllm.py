@@ -49,6 +49,7 @@ from ..errors import ExpqError, LayoutError, SourceError
 from ..formats.experts_int8 import ExpertsInt8Format
 from . import vllm_compat as compat
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
+from .vllm_kernel import LOGGER
 
 SERVED = ExpertsInt8Format
 """The format the plugin serves: int8 codes and per-row scales, the tensors vLLM's experts_int8 method holds."""
@@ -56,12 +57,6 @@ QUANT_METHOD = SERVED.quant_method
 """The ``quant_method`` of the checkpoint's ``quantization_config`` and the name of the registered vLLM config."""
 
 _LOCK = threading.Lock()
-LOGGER = "vllm.expq"
-"""The plugin's logger (the kernel served, its warm-up, fallbacks, version notes): a child of vLLM's ``vllm``
-logger, so that its lines reach vLLM's log at vLLM's level whenever vLLM configures logging (its default,
-``VLLM_CONFIGURE_LOGGING=1``: a handler on ``vllm``, which does not propagate; a logger outside that tree has no
-handler there, and Python drops its lines below WARNING), before or after the plugin loads; where vLLM leaves
-logging to the application, the lines propagate to the application's handlers."""
 _LOG = logging.getLogger(LOGGER)
 # "api", "config_cls", "method_cls" once registered ("refusal": why not, on an unsupported vLLM); "routing": the
 # last loader call's quantization.

@@ -43,7 +43,6 @@ import torch
 
 from ..errors import ExpqError
 from ..experts import gate_then_up
-from .vllm import LOGGER
 
 ENV = "EXPQ_VLLM_KERNEL"
 KERNELS = ("expq", "vllm")
@@ -60,6 +59,12 @@ INTERLEAVED = frozenset({"swigluoai"})
 
 _PREPARE_FINALIZE = "MoEPrepareAndFinalizeNoDPEPModular"
 _CLAMPS = ("gemm1_clamp_limit", "gemm1_alpha", "gemm1_beta")
+LOGGER = "vllm.expq"
+"""The plugin's logger (the kernel served, its warm-up, fallbacks, version notes): a child of vLLM's ``vllm``
+logger, so that its lines reach vLLM's log at vLLM's level whenever vLLM configures logging (its default,
+``VLLM_CONFIGURE_LOGGING=1``: a handler on ``vllm``, which does not propagate; a logger outside that tree has no
+handler there, and Python drops its lines below WARNING), before or after the plugin loads; where vLLM leaves
+logging to the application, the lines propagate to the application's handlers."""
 _LOG = logging.getLogger(LOGGER)
 _LOGGED: set[str] = set()
 
