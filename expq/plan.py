@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .decoders import LogicalTensor
-from .errors import LayoutError, SourceError
+from .errors import LayoutError, SourceError, UsageError
 from .experts import ExpertMap, ExpertTensor, Matrix
 from .engines.clients import stock_transformers_misloads
 from .formats import AUTO, Format, get_format
@@ -275,18 +275,19 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match.
         SourceError: expert tensors that are not float; routed experts the source decoder refuses
             (``Decoder.check_experts``: already int8 per channel).
-        UsageError: an unknown format. ValueError: a bad ``dtype`` or ``max_shard_size``.
+        UsageError: an unknown format, or a bad ``EXPQ_SLICE_BYTES``. ValueError: a bad ``dtype`` or
+            ``max_shard_size``.
     """
     lay, detected_by = resolve_layout(source.config, layout)
     experts = ExpertMap.from_source(lay, source.config, source.logical)
     source.decoder.check_experts(experts)
     compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
-    shard_limit = parse_size(max_shard_size)
+    shard_limit, budget = parse_size(max_shard_size), slice_bytes()
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
     _check_lm_head(source)
     _check_model(fmt, source.config)
-    jobs = _build_jobs(source, experts, fmt, compute_dtype, slice_bytes())
+    jobs = _build_jobs(source, experts, fmt, compute_dtype, budget)
     _check_unique_names(jobs)
     shard_names, shard_sizes = _assign_shards(jobs, shard_limit)
     return Plan(source=source, layout=lay, detected_by=detected_by, experts=experts, format=fmt,
@@ -357,10 +358,15 @@ def slice_bytes() -> int:
     """The budget of one slice of a stacked expert tensor: ``$EXPQ_SLICE_BYTES`` where set, else ``SLICE_BYTES``.
 
     Raises:
-        ValueError: ``EXPQ_SLICE_BYTES`` is not a positive size.
+        UsageError: ``EXPQ_SLICE_BYTES`` is not a positive size.
     """
     env = os.environ.get(SLICE_ENV)
-    return parse_size(env) if env else SLICE_BYTES
+    if not env:
+        return SLICE_BYTES
+    try:
+        return parse_size(env)
+    except ValueError as e:
+        raise UsageError(f"{SLICE_ENV}={env!r}: {e} (unset it for the default, {SLICE_BYTES >> 20} MiB)") from None
 
 
 def _build_jobs(source: Source, experts: ExpertMap, fmt: Format, compute_dtype: torch.dtype,

@@ -205,3 +205,18 @@ def test_row_findings_add_up_over_the_slices(sources, tmp_path, monkeypatch):
     assert [e.split(" expert ")[1].split(" ", 2)[:2] for e in whole.underflow_examples] == \
         [["0", "up"], ["2", "up"], ["3", "gate"]]  # in row order: stored columns 9, 9 and 2 (odd: up)
     assert tree_digest(tmp_path / "sliced") == tree_digest(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("value,why", [("8 experts", "not a size: '8 experts'"), ("0", "size must be positive: '0'")])
+def test_a_bad_slice_budget_is_one_line_naming_the_variable(sources, value, why, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "expq.cli", "convert", sources["gpt_oss-bf16"], out, "--device", "cpu"],
+                       env={**os.environ, plan_mod.SLICE_ENV: value}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: EXPQ_SLICE_BYTES={value!r}: {why}" + (" (use e.g. 5GB, 500MB, 2GiB)" if "not a size" in why else "")
+        + " (unset it for the default, 256 MiB)"], r.stderr
+    assert not out.exists()
