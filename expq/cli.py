@@ -509,8 +509,9 @@ def console() -> None:
     if not _may_end_at_once(code):
         sys.exit(code)
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: the process was started with that descriptor closed
+                stream.flush()
     except (OSError, ValueError):
         sys.exit(code)  # a closed or broken pipe: Python's own exit reports it
     os._exit(code or 0)

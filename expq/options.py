@@ -28,15 +28,15 @@ def parse_size(s: str | int) -> int:
     """``"5GB"`` -> 5_000_000_000 (decimal units as Hugging Face uses; KiB/MiB/GiB/TiB binary).
 
     Raises:
-        ValueError: not a size, or not positive.
+        ValueError: not a finite size, or less than 1 byte (``0.5`` too).
 
     Example:
         >>> parse_size("5GB"), parse_size("2GiB"), parse_size(1000)
         (5000000000, 2147483648, 1000)
     """
     if isinstance(s, int):
-        if s <= 0:
-            raise ValueError(f"size must be positive: {s!r}")
+        if s < 1:
+            raise ValueError(f"size must be at least 1 byte: {s!r}")
         return s
     t = s.strip().upper().replace(" ", "")
     num, mult = next(((t[: -len(u)], m) for u, m in _SIZE_UNITS.items() if t.endswith(u)), (t, 1))
@@ -44,8 +44,10 @@ def parse_size(s: str | int) -> int:
         val = float(num)
     except ValueError:
         raise ValueError(f"not a size: {s!r} (use e.g. 5GB, 500MB, 2GiB)") from None
-    if not val > 0 or val == float("inf"):
-        raise ValueError(f"size must be positive: {s!r}")
+    if val == float("inf") or val != val:
+        raise ValueError(f"not a size: {s!r} (use e.g. 5GB, 500MB, 2GiB)")
+    if int(val * mult) < 1:
+        raise ValueError(f"size must be at least 1 byte: {s!r}")
     return int(val * mult)
 
 

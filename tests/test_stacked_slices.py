@@ -207,7 +207,8 @@ def test_row_findings_add_up_over_the_slices(sources, tmp_path, monkeypatch):
     assert tree_digest(tmp_path / "sliced") == tree_digest(tmp_path / "whole")
 
 
-@pytest.mark.parametrize("value,why", [("8 experts", "not a size: '8 experts'"), ("0", "size must be positive: '0'")])
+@pytest.mark.parametrize("value,why", [("8 experts", "not a size: '8 experts'"),
+                                       ("0.5", "size must be at least 1 byte: '0.5'")])
 def test_a_bad_slice_budget_is_one_line_naming_the_variable(sources, value, why, tmp_path):
     import os
     import subprocess
