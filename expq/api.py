@@ -155,6 +155,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                        command_line(plan, dtype, allow_nonfinite, layout is not None))
                 check_unchanged(source, stamps)
                 outdir.commit()
+            shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
         except BaseException as e:
             if identity is not None:
                 identity.stop()

@@ -334,3 +334,14 @@ def test_units_are_source_shards_largest_first_in_write_order(converted):
         assert len({j.tensor.file for _, j in u}) == 1
         places = [(o.shard, o.offset) for _, j in u for o in [max(j.outputs, key=lambda o: o.nbytes)]]
         assert places == sorted(places)
+
+
+def test_a_conversion_leaves_no_thread_of_its_own(tmp_path, tmp_path_factory):
+    import threading
+
+    src = example(tmp_path_factory, "mixtral")
+    before = set(threading.enumerate())
+    expq.convert(src, tmp_path / "out", device="cpu")
+    report = expq.convert(src, tmp_path / "out", device="cpu")  # up to date: returns early
+    assert report.up_to_date
+    assert [t.name for t in threading.enumerate() if t not in before] == []  # was: an idle expq-hasher per call
