@@ -358,7 +358,7 @@ def slice_bytes() -> int:
     """The budget of one slice of a stacked expert tensor: ``$EXPQ_SLICE_BYTES`` where set, else ``SLICE_BYTES``.
 
     Raises:
-        UsageError: ``EXPQ_SLICE_BYTES`` is not a positive size.
+        UsageError: ``EXPQ_SLICE_BYTES`` is not a size of at least 1 byte.
     """
     env = os.environ.get(SLICE_ENV)
     if not env:

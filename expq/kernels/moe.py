@@ -612,14 +612,11 @@ def launch_plan(num_tokens: int, num_experts: int, top_k: int, hidden_size: int,
                 device, *, config: dict | None = None) -> LaunchPlan:
     """The ``LaunchPlan`` of a batch of ``num_tokens`` tokens (>= 1) for a layer of ``num_experts`` local experts of
     ``hidden_size`` x ``intermediate_size`` with ``top_k`` slots per token, activations in ``dtype`` on ``device``;
-    ``config`` overrides ``get_config`` (checked by ``expq.kernels.tuned.check_config``)."""
+    ``config`` overrides ``get_config``: a block config already checked by ``expq.kernels.tuned.check_config``
+    (as ``fused_moe_triton`` checks its argument before planning), taken as it is."""
     if config is None:
         config = get_config(num_tokens, num_experts, top_k, device, hidden_size=hidden_size,
                             intermediate_size=intermediate_size, dtype=dtype)
-    else:
-        from .tuned import check_config
-
-        config = check_config(config)
     num_pairs = num_tokens * top_k
     sorts = sorts_pairs(num_tokens, top_k, num_experts)
     passes = 0
