@@ -151,9 +151,12 @@ def vllm_logging(monkeypatch):
     handler = logging.StreamHandler(buffer)
     handler.setFormatter(logging.Formatter("vllm-format %(levelname)s %(message)s"))
     theirs = logging.getLogger("vllm")
-    for name, value in dict(handlers=[handler], level=logging.INFO, propagate=False).items():
+    for name, value in dict(handlers=[handler], propagate=False).items():
         monkeypatch.setattr(theirs, name, value)
-    return buffer
+    level = theirs.level
+    theirs.setLevel(logging.INFO)  # setLevel, not the attribute: loggers cache their effective level
+    yield buffer
+    theirs.setLevel(level)
 
 
 def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
@@ -162,7 +165,8 @@ def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
     assert vllm_logging.getvalue().splitlines() == [
         "vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (m.layers.0.moe and "
         "the others)",
-        "vllm-format INFO expq's kernel warmed up for steps of 1 to 8192 tokens (2 step sizes run, one per kernel "
+        f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
+        "sizes run, one per kernel "
         "variant) on m.layers.0.moe and the layers like it"]
 
 
@@ -186,7 +190,8 @@ def test_expq_kernel_serves_the_layer(activation, bias, dtype, interpret, monkey
     assert [r.getMessage() for r in caplog.records] == [
         "EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (model.layers.0.mlp.experts and the "
         "others)",
-        "expq's kernel warmed up for steps of 1 to 8192 tokens (2 step sizes run, one per kernel variant) on "
+        f"expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step sizes run, one "
+        "per kernel variant) on "
         "model.layers.0.mlp.experts and the layers like it"]
     assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w13_scale, s13)  # gate rows then up rows
     out = apply(method, layer, x, tw, ti)
