@@ -63,7 +63,8 @@ class FrontPass:
     written, instead of waiting for the shard's last job and reading the whole shard back at the end.
 
     One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
-    hashes wait for it, and it is small: one read of each value). It goes through the units in the order the
+    hashes wait for it, and it is small: one read of each value); on a GPU run, which has no CPU pool, its CPU
+    scales go over a pool of its own (one thread per core, ``parallel.local``). It goes through the units in the order the
     pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
     read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
     (``Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
@@ -94,11 +95,15 @@ class FrontPass:
             self.thread.join(0.1)
 
     def _main(self) -> None:
+        # a GPU run has no CPU pool (``pipeline.cpu_threads``): the scales this pass takes on the CPU (the fused
+        # absmax of a float source, a quantized source's row absmax) get one of their own, this thread's only
+        own = parallel.Pool(parallel.usable_cores(), "expq-front") if self.gpu is not None and parallel.pool() is None \
+            else None
         try:
             if self.gpu is not None:
                 torch.cuda.set_device(self.gpu)
             with torch.cuda.stream(torch.cuda.Stream(self.gpu)) if self.gpu is not None else nullcontext(), \
-                    parallel.first():
+                    own or nullcontext(), parallel.local(own), parallel.first():
                 for k, unit in enumerate(self.units):
                     self.run.wait_taken(k)
                     front = self.run.front

@@ -3,7 +3,9 @@
 While a CPU pipeline runs, torch is single-threaded (OpenMP teams spin-wait for each other and slow down several
 times over when the pipeline's read, write and hash threads share the cores) and this module holds a pool of one
 thread per core (``Pool``). The scheme's row blocks and the decoders' bands go through ``each``; outside a conversion
-(or on a GPU) ``each`` simply runs the items in turn, in the calling thread. Work queued from a thread inside
+(or on a GPU) ``each`` simply runs the items in turn, in the calling thread. A thread can hold a pool of its own
+(``local``): the front pass of a GPU conversion spreads its CPU scales over one while the GPU pipelines, which
+launch their kernels from their own threads and streams, keep running theirs in turn. Work queued from a thread inside
 ``first()`` (the scale pass) is taken before the rest, so that a small pass others wait for is never stuck behind
 the bulk of the work.
 """
@@ -11,6 +13,7 @@ the bulk of the work.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from concurrent.futures import Executor, Future
@@ -63,9 +66,16 @@ class Pool:
         self.shutdown()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def pool() -> "Pool | Executor | None":
-    """The pool in use, or None."""
-    return _pool
+    """The pool in use in this thread (``local``), else the one in use (``using``), or None."""
+    return getattr(_local, "pool", None) or _pool
 
 
 @contextmanager
@@ -77,6 +87,17 @@ def using(executor: "Pool | Executor | None") -> Iterator[None]:
         yield
     finally:
         _pool = before
+
+
+@contextmanager
+def local(executor: "Pool | Executor | None") -> Iterator[None]:
+    """Make ``executor`` the pool of the calling thread only, for the duration (``each`` called from other threads,
+    a GPU pipeline's among them, does not see it)."""
+    before, _local.pool = getattr(_local, "pool", None), executor
+    try:
+        yield
+    finally:
+        _local.pool = before
 
 
 @contextmanager
@@ -92,13 +113,13 @@ def first() -> Iterator[None]:
 def each(fn: Callable, items: Iterable) -> None:
     """``fn(item)`` for every item, spread over the pool when there is one (items must be independent: they write
     disjoint parts of their outputs); exceptions propagate."""
-    items = list(items)
-    if _pool is None or len(items) < 2:
+    items, p = list(items), pool()
+    if p is None or len(items) < 2:
         for it in items:
             fn(it)
         return
-    if isinstance(_pool, Pool):
-        _pool.run(fn, items, getattr(_local, "priority", 1))
+    if isinstance(p, Pool):
+        p.run(fn, items, getattr(_local, "priority", 1))
         return
-    for _ in _pool.map(fn, items):
+    for _ in p.map(fn, items):
         pass

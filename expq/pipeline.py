@@ -27,7 +27,6 @@ The output bytes do not depend on the number of devices, their kind or their ord
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from contextlib import contextmanager, nullcontext
@@ -544,10 +543,9 @@ def cpu_threads(active: bool):
         yield
         return
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(1)
     try:
-        with parallel.Pool(max(1, cores), "expq-rows") as pool, parallel.using(pool):
+        with parallel.Pool(parallel.usable_cores(), "expq-rows") as pool, parallel.using(pool):
             yield
     finally:
         torch.set_num_threads(before)
