@@ -258,7 +258,12 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         bits = pairs.index_select(0, idx.reshape(-1))  # [rows*G*16] words, each (low nibble, high nibble)
         out[e, :, r0:r1] = bits.view(torch.bfloat16).view(r1 - r0, G * BLOCK).t()
 
-    parallel.each(chunk, [(e, r0) for e in range(E) for r0 in range(0, R, rows)])  # the conversion's pool, if any
+    items = [(e, r0) for e in range(E) for r0 in range(0, R, rows)]
+    if blocks.device.type == "cpu":
+        parallel.each(chunk, items)  # the conversion's pool, if any
+    else:  # launched from this thread, on its stream (a pool's threads would launch on their default streams)
+        for it in items:
+            chunk(it)
     return out
 
 
