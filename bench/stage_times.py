@@ -34,6 +34,7 @@ T_TORCH = time.perf_counter() - T0
 import expq.api  # noqa: E402
 import expq.cpu_kernels as cpu_kernels  # noqa: E402
 import expq.formats.compressed_tensors as ct  # noqa: E402
+import expq.formats.experts_int8 as ei8  # noqa: E402
 import expq.front_pass as front_pass  # noqa: E402
 import expq.pipeline as pipeline  # noqa: E402
 import expq.output.shards as shards  # noqa: E402
@@ -145,6 +146,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_buffer_pool:
         buffers.MIN_BYTES = 1 << 62
+    timed(expq.api, "make_plan", "plan (make_plan)")
+    timed(ei8, "stock_parameter_sizes", "layer-marker check (in the plan)")
+    timed(front_pass.FrontPass, "_main", "front pass thread, start to end")
     timed(pipeline, "read_tensor", "read (readinto)")
     timed(pipeline, "quantize_matrix", "scheme (its CPU time: in 'rest')")
     timed(front_pass.FrontPass, "_job", "front pass (scales, copies)")
