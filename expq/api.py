@@ -10,10 +10,11 @@ from typing import Callable
 
 from . import cluster
 from .conversion import (BackgroundIdentity, ConvertReport, check_unchanged, command_line, hash_in_background,
-                         keep_or_discard, make_report, plan_conversion, run_settings, source_stamps, write_side_files)
+                         keep_or_discard, make_report, plan_conversion, run_settings,
+                         source_stamps, write_side_files)
 from .devices import parse_devices, warm_up
 from .errors import UsageError, resumable
-from .interrupts import stop_on_signals
+from .interrupts import interrupted_outside_run, stop_on_signals
 from .layouts import Layout
 from .options import DEFAULT_MAX_SHARD, check_convert, check_inspect
 from .pipeline import run_plan
@@ -126,43 +127,64 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                       allow_random_experts=allow_random_experts_in_transformers, on_plan=on_plan,
                                       on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
-    with warm_up(devices), _opened_source(src, out, stream=stream, revision=revision, token=token) as (source, feeder):
-        plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
-                               allow_random_experts=allow_random_experts_in_transformers)
-        stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit
-        later = hash_in_background(source, out)
-        settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, pending=later)
-        outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root, settled=not later)
-        if outdir.up_to_date():
-            outdir.finish_up_to_date()
-            return make_report(plan, outdir, outdir.existing.record, devices, time.perf_counter() - t0,
-                               stream_peak_bytes=_peak(feeder), up_to_date=True)
-        outdir.start()
-        shards = ShardSet(plan, outdir, fsync=fsync)
-        identity = None
-        try:
-            with stop_on_signals() as stop:
-                if later:
-                    identity = BackgroundIdentity(source, stamps, lambda ident: outdir.settle(run_settings(
-                        plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=ident)), stop)
-                if on_plan:
-                    on_plan(plan)
-                stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
-                                 done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
+    outdir = None
+    try:
+        with warm_up(devices), _opened_source(src, out, stream=stream, revision=revision, token=token) as (source,
+                                                                                                        feeder):
+            plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
+                                   allow_random_experts=allow_random_experts_in_transformers)
+            stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit
+            later = hash_in_background(source, out)
+            settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, pending=later)
+            outdir = OutputDir(out, fingerprint=settings, overwrite=overwrite, src_root=source.root,
+                               settled=not later)
+            if _up_to_date(outdir):
+                return make_report(plan, outdir, outdir.existing.record, devices, time.perf_counter() - t0,
+                                   stream_peak_bytes=_peak(feeder), up_to_date=True)
+            outdir.start()
+            shards = identity = None
+            try:
+                shards = ShardSet(plan, outdir, fsync=fsync)
+                with stop_on_signals() as stop:
+                    if later:
+                        identity = BackgroundIdentity(source, stamps, lambda ident: outdir.settle(run_settings(
+                            plan, dtype=dtype, allow_nonfinite=allow_nonfinite, identity=ident)), stop)
+                    if on_plan:
+                        on_plan(plan)
+                    stats = run_plan(plan, shards, devices, allow_nonfinite=allow_nonfinite, on_progress=on_progress,
+                                     done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
+                    if identity is not None:
+                        identity.wait(stop)
+                    man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint,
+                                           command_line(plan, dtype, allow_nonfinite, layout is not None))
+                    check_unchanged(source, stamps)
+                    if stop.is_set():  # a signal after the run's last look: not committed
+                        raise stop.interrupted()
+                    outdir.commit()
+                shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
+            except BaseException as e:
                 if identity is not None:
-                    identity.wait(stop)
-                man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint,
-                                       command_line(plan, dtype, allow_nonfinite, layout is not None))
-                check_unchanged(source, stamps)
-                outdir.commit()
-            shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
-        except BaseException as e:
-            if identity is not None:
-                identity.stop()
-            shards.close_all()
-            keep_or_discard(e, outdir, len(shards.closed), len(plan.shard_names))
-            raise
-    return make_report(plan, outdir, man, devices, time.perf_counter() - t0, stream_peak_bytes=_peak(feeder))
+                    identity.stop()
+                if shards is not None:
+                    shards.close_all()
+                keep_or_discard(e, outdir, len(shards.closed) if shards is not None else 0, len(plan.shard_names))
+                raise
+        return make_report(plan, outdir, man, devices, time.perf_counter() - t0, stream_peak_bytes=_peak(feeder))
+    except KeyboardInterrupt as e:  # a signal outside the run (cli: ``interrupts.raise_on_signals``)
+        raise interrupted_outside_run(e, committed=outdir is not None and outdir.committed) from None
+
+
+def _up_to_date(outdir: OutputDir) -> bool:
+    """Whether OUT already holds this conversion (then the partial run of the same settings is dropped and the lock
+    given up); the lock is given up after an error too."""
+    try:
+        if not outdir.up_to_date():
+            return False
+        outdir.finish_up_to_date()
+        return True
+    except BaseException:
+        outdir.release()
+        raise
 
 
 def _peak(feeder) -> int | None:

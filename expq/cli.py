@@ -14,11 +14,19 @@ generated text never go through rich when piped.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # ``python -m expq.cli``: from its first line (``console`` takes over once imported)
+    from expq.interrupts import end_on_signals
+
+    end_on_signals(line="error: interrupted by {signal} while expq was starting: nothing was done; re-run the same "
+                        "command")
+
 import contextlib
+import errno
 import functools
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Iterable, Optional, Sequence
@@ -32,6 +40,7 @@ from typer.core import TyperArgument, TyperCommand
 from . import options
 from .options import format_size
 from .errors import ExpqError, cli_options
+from .interrupts import STOP, as_interrupted, end_on_signals, interrupted_outside_run, raise_on_signals
 from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
@@ -78,11 +87,28 @@ def _say(text: Cell, *, stderr: bool = False, style: str | None = None, exact: b
     stream = sys.stderr if stderr else sys.stdout
     plain = text.plain if isinstance(text, Text) else text
     plain = plain if exact else visible(plain)
-    if is_tty(stream):
-        t = Text(plain, style=text.style if isinstance(text, Text) else style or "")
-        (err if stderr else out).print(t, soft_wrap=True)
-    else:
-        print(plain, file=stream, flush=True)
+    try:
+        if is_tty(stream):
+            t = Text(plain, style=text.style if isinstance(text, Text) else style or "")
+            (err if stderr else out).print(t, soft_wrap=True)
+        else:
+            print(plain, file=stream, flush=True)
+    except (OSError, ValueError):  # ValueError: a closed stream
+        if not stderr:
+            raise
+        # stderr cannot be written (closed, a full disk, a hung-up terminal): its lines are lost, the work goes on
+
+
+def _stdout_failed(e: BaseException) -> None:
+    """stdout could not be written (a broken pipe, a full disk, closed): one ``WARNING:`` line on stderr naming it;
+    stdout then goes to /dev/null, so that nothing later (the interpreter's own flush) fails on it again. The exit
+    status stays the command's own (README: "Promises, and exit statuses")."""
+    reason = f"[Errno {e.errno}] {e.strerror}" if isinstance(e, OSError) and e.errno else str(e) or type(e).__name__
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    _warn([f"cannot write to <stdout>: {reason}; the output was lost, the work itself was done"])
 
 
 def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
@@ -105,29 +131,48 @@ def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequ
 
 
 @contextlib.contextmanager
-def errors_to_exit_codes():
-    """The one error handler: an ``ExpqError`` becomes its one line and its exit status; Ctrl-C 130; anything else
-    one line and 1 (``EXPQ_DEBUG=1`` re-raises, for the traceback). User text is printed literally, never as
-    markup. Messages made inside name options as this command line's flags (``errors.cli_options``)."""
+def errors_to_exit_codes(interrupted=as_interrupted):
+    """The one error handler: an ``ExpqError`` becomes its one line and its exit status; a signal (a
+    ``KeyboardInterrupt`` raised by ``interrupts.raise_on_signals``, or Python's Ctrl-C) ``interrupted(e)``'s line
+    (default: which signal) and 128 + the signal; anything else one line and 1 (``EXPQ_DEBUG=1`` re-raises, for
+    the traceback). User text is printed literally, never as markup. Messages made inside name options as this
+    command line's flags (``errors.cli_options``)."""
     try:
         with cli_options():
             yield
-    except (typer.Exit, SystemExit):
-        raise
+    except (typer.Exit, SystemExit) as e:
+        if (cause := _typer_interrupt(e)) is None:
+            raise
+        _fail(interrupted(cause))
     except BaseException as e:  # noqa: BLE001
         if os.environ.get("EXPQ_DEBUG"):
             raise
-        if isinstance(e, ExpqError):
-            line, code = f"error: {e}", e.exit_code
-        elif isinstance(e, KeyboardInterrupt):
-            line, code = "interrupted", 130
-        elif isinstance(e, MemoryError):
-            line, code = "error: out of memory", 1
-        else:
-            msg = str(e).splitlines()[0] if str(e) else ""
-            line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
-        _say(Text(line, style="bold red"), stderr=True)
-        raise typer.Exit(code) from None
+        if not isinstance(e, (KeyboardInterrupt, ExpqError)) and STOP.is_set():
+            e = KeyboardInterrupt()  # an error a signal caused (one landing in an import: RecursionError...)
+        _fail(interrupted(e) if isinstance(e, KeyboardInterrupt) else e)
+
+
+def _typer_interrupt(e: BaseException | None) -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` that typer turned into a silent exit 130 (``Exit(130) from`` it, then
+    ``SystemExit``), or None."""
+    while e is not None:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            return e.__cause__
+        e = e.__context__
+    return None
+
+
+def _fail(e: BaseException) -> None:
+    """``errors_to_exit_codes``'s line for ``e`` on stderr, and its exit status (``typer.Exit``)."""
+    if isinstance(e, ExpqError):
+        line, code = f"error: {e}", e.exit_code
+    elif isinstance(e, MemoryError):
+        line, code = "error: out of memory", 1
+    else:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
+    _say(Text(line, style="bold red"), stderr=True)
+    raise typer.Exit(code) from None
 
 
 def _warn(warnings: Iterable[str]) -> None:
@@ -178,23 +223,38 @@ def convert(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
-    with errors_to_exit_codes():  # usage errors first: before torch is imported and the source opened
+    report = None  # once set, OUT is committed: a signal then says so (``interrupts.interrupted_outside_run``)
+    with errors_to_exit_codes(lambda e: interrupted_outside_run(e, committed=report is not None)):
+        # usage errors first: before torch is imported and the source opened
         options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
                               stream=stream, ray=ray, to_hub=to_hub)
         interval()
-    from .api import convert as api_convert
+        from .api import convert as api_convert
 
-    quiet_hub_bars()
-    bar = _ConvertProgress(enabled=not as_json)
-    with errors_to_exit_codes(), bar:
-        report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
-                             max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
-                             allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray, to_hub=to_hub,
-                             private=private, allow_random_experts_in_transformers=allow_random_experts_in_transformers,
-                             on_plan=bar.on_plan, on_progress=bar.on_progress)
-    _warn(report.warnings)
+        quiet_hub_bars()
+        with _ConvertProgress(enabled=not as_json) as bar:
+            report = api_convert(src, out_dir, format=format, dtype=dtype, device=device, revision=revision,
+                                 max_shard_size=max_shard_size, overwrite=overwrite, layout=layout,
+                                 allow_nonfinite=allow_nonfinite, token=token, stream=stream, ray=ray,
+                                 to_hub=to_hub, private=private,
+                                 allow_random_experts_in_transformers=allow_random_experts_in_transformers,
+                                 on_plan=bar.on_plan, on_progress=bar.on_progress)
+        _warn(report.warnings)
+        try:
+            _print_convert(report, as_json)
+        except (OSError, ValueError) as e:  # the conversion is committed whatever happens to its summary
+            _stdout_failed(e)
+
+
+def _print_convert(report, as_json: bool) -> None:
+    """convert's result on stdout: the report as one JSON object, or its table (underflow examples on stderr).
+
+    Raises:
+        OSError: stdout cannot be written (EBADF where the process was started with it closed)."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
     if as_json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps(report.to_dict()), flush=True)
         return
     rows = [
         ("architecture", f"{report.architecture} ({report.layout} layout)"),
@@ -259,7 +319,7 @@ class _ConvertProgress:
              f"{str(plan.compute_dtype).removeprefix('torch.')}", stderr=True)
         self.shards = len(plan.shard_names)
         if not interactive():
-            self.lines = ProgressLines(plan.bytes_in, self.shards)
+            self.lines = ProgressLines(plan.bytes_in, self.shards, write=lambda line: _say(line, stderr=True))
             return
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
@@ -485,13 +545,20 @@ def main() -> None:
     """The command line in this process: runs ``expq`` on ``sys.argv`` and ends with ``SystemExit`` (its exit
     status). When stdout or stderr is not a terminal, usage errors and help are click's plain text (typer's rich
     panels would wrap them at 80 columns)."""
-    if not (is_tty(sys.stdout) and is_tty(sys.stderr)):
-        app.rich_markup_mode = None
     try:
-        with errors_to_exit_codes():
+        with errors_to_exit_codes(_between_steps):
+            if not (is_tty(sys.stdout) and is_tty(sys.stderr)):
+                app.rich_markup_mode = None
             app(prog_name="expq")  # also under python -m expq.cli (the demo)
     except typer.Exit as ex:
         sys.exit(ex.exit_code)
+
+
+def _between_steps(e: BaseException):
+    """A signal no command's own handler saw (typer parsing the command line, or a command returning): re-running
+    the same command is always right (a conversion resumes, or finds OUT up to date)."""
+    stop = as_interrupted(e)
+    return as_interrupted(e, f"interrupted by {signal.Signals(stop.signum).name}; re-run the same command")
 
 
 def console() -> None:
@@ -500,20 +567,35 @@ def console() -> None:
     second (measured on a 2-core CPU: 0.9 s after a small conversion; every module, torch's included, finalised
     for a process that is about to end). Everything a command writes is committed before it returns. The normal
     exit is kept where something still runs or must be finalised: a thread that is not a daemon, Ray (its atexit
-    hooks stop its workers), an exit status that is not a number, or output that cannot be flushed."""
+    hooks stop its workers), or an exit status that is not a number.
+
+    Signals: while the command runs, SIGINT, SIGTERM and SIGHUP end it with one line and 128 + the signal
+    (``interrupts.raise_on_signals``); once it has returned, its outcome is printed and decided, and a signal ends
+    the process at once with that status. Output that cannot be flushed (stdout closed, a broken pipe, a full
+    disk) is one ``WARNING:`` line on stderr; the status stays the command's."""
+    raise_on_signals()
+    for fd in (0, 1, 2):  # a descriptor the process was started without gets /dev/null, never a file expq opens
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)
     try:
         main()
         code = 0
     except SystemExit as ex:
         code = ex.code
+    if isinstance(code, int) and not isinstance(code, bool):
+        end_on_signals(status=code)
+    try:
+        if sys.stdout is not None:  # None: the process was started with descriptor 1 closed
+            sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        _stdout_failed(e)
+    with contextlib.suppress(OSError, ValueError):
+        if sys.stderr is not None:
+            sys.stderr.flush()
     if not _may_end_at_once(code):
         sys.exit(code)
-    try:
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:  # None: the process was started with that descriptor closed
-                stream.flush()
-    except (OSError, ValueError):
-        sys.exit(code)  # a closed or broken pipe: Python's own exit reports it
     os._exit(code or 0)
 
 

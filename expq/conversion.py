@@ -16,6 +16,7 @@ from typing import Callable
 from .engines.clients import stock_transformers_misloads
 from .errors import Interrupted, SourceError, UsageError, option, resumable
 from .formats import FORMATS
+from .interrupts import as_interrupted, interrupted_outside_run
 from .layouts import Layout
 from .io.hashing import sha256_file
 from .io.index import INDEX_NAME, index_json
@@ -237,19 +238,27 @@ def check_unchanged(src: Source, stamps: dict[str, tuple]) -> None:
 
 def keep_or_discard(e: BaseException, outdir: OutputDir, kept: int, total: int) -> None:
     """After a failed run: keep staging and journal when the same command resumes (``errors.resumable``; after an
-    interrupt, raises ``Interrupted`` saying how many of ``total`` shards are kept), else remove them. The caller
-    re-raises ``e``."""
+    interrupt, raises ``Interrupted`` saying how many of ``total`` shards are kept), else remove them; after the
+    commit, nothing (an interrupt then says that OUT is complete). The caller re-raises ``e``."""
+    stop = as_interrupted(e)
+    if outdir.committed:
+        if stop is not None:
+            raise interrupted_outside_run(stop, committed=True) from None
+        return
     if resumable(e) and outdir.settled:
         outdir.release()  # staging and journal stay: the same command resumes
-        if isinstance(e, Interrupted):
-            raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name}; {kept} of {total} shards "
-                                        "are kept: re-run the same command to resume") from None
+        if stop is not None:
+            raise Interrupted(stop.signum, f"interrupted by {_name(stop)}; {kept} of {total} shards are kept: "
+                                           "re-run the same command to resume") from None
     else:
         outdir.discard()
-        if isinstance(e, Interrupted):  # before the source's identity was settled: nothing a re-run could trust
-            raise Interrupted(e.signum, f"interrupted by {signal.Signals(e.signum).name} before the source's identity "
-                                        "was recorded; nothing is kept: re-run the same command to start "
-                                        "again") from None
+        if stop is not None:  # before the source's identity was settled: nothing a re-run could trust
+            raise Interrupted(stop.signum, f"interrupted by {_name(stop)} before the source's identity was "
+                                           "recorded; nothing is kept: re-run the same command to start again") from None
+
+
+def _name(stop: Interrupted) -> str:
+    return signal.Signals(stop.signum).name
 
 
 def make_report(plan: Plan, outdir: OutputDir, man: Manifest, devices: list, seconds: float, *,

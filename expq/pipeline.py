@@ -191,8 +191,12 @@ class Run:
         return self.stop.is_set() or self.failed.is_set()
 
     def fail(self, e: BaseException) -> None:
+        """A stage failed with ``e``: every pipeline stops. An error after the stop signal is its consequence (a
+        worker cut short, e.g. in a first import), not the run's outcome: the run reports the interrupt, and only an
+        error that came before the signal wins over it."""
         with self.lock:
-            self.errors.append(e)
+            if not self.stop.is_set():
+                self.errors.append(e)
         self.failed.set()
 
     def put(self, q: queue.Queue, x) -> None:

@@ -267,3 +267,26 @@ def test_console_ends_at_once_after_flushing_unless_something_still_runs(case, t
     # the interpreter's teardown (atexit hooks, module finalisation) runs only where a thread still works
     assert ("atexit ran" in r.stdout) == (case == "worker"), r.stdout
     assert ("the worker finished" in r.stdout) == (case == "worker"), r.stdout
+
+
+@pytest.mark.parametrize("case", ["broken pipe", "stdout full", "stderr full"])
+def test_output_that_cannot_be_written_never_undoes_a_conversion(case, tmp_path_factory, tmp_path):
+    """The summary lost (the reader gone, a full disk) is one WARNING line naming <stdout> and the error, exit 0: the
+    status says what happened to OUT, which is committed; a dead stderr (progress lines) stops nothing."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "EXPQ_DEBUG"}
+    env.update(CI="true", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with open("/dev/full", "w") as full:
+        p = subprocess.Popen([sys.executable, "-m", "expq.cli", "convert", example(tmp_path_factory, "mixtral"), out,
+                              "--device", "cpu"], env=env, cwd=ROOT, text=True,
+                             stdout=full if case == "stdout full" else subprocess.PIPE,
+                             stderr=full if case == "stderr full" else subprocess.PIPE)
+        if case == "broken pipe":
+            p.stdout.close()  # the reader went away (``| head -c0``)
+        _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert (out / "expq.json").is_file() and not (tmp_path / ".out.expq-partial").exists()
+    if case != "stderr full":
+        reason = "[Errno 32] Broken pipe" if case == "broken pipe" else "[Errno 28] No space left on device"
+        assert [ln for ln in lines(err) if "WARNING" in ln or "error" in ln] == [
+            f"WARNING: cannot write to <stdout>: {reason}; the output was lost, the work itself was done"], err

@@ -17,12 +17,14 @@ from expq.interrupts import STOP, stop_on_signals
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_real_signal_sets_the_one_stop_signal(sig):
     before = signal.getsignal(sig)
-    with stop_on_signals() as stop:
+    with pytest.raises(Interrupted) as raised, stop_on_signals() as stop:
         assert stop is STOP and not stop.is_set()
         os.kill(os.getpid(), sig)
         assert stop.wait(5)  # the handler ran in this (the main) thread
         err = stop.interrupted()
         assert isinstance(err, Interrupted) and err.signum == sig and err.exit_code == 128 + sig
+    # a signal the body did not act on still ends the run as interrupted (it came after the body's last look)
+    assert raised.value.signum == sig
     assert signal.getsignal(sig) is before and not STOP.is_set()
 
 

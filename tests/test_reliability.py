@@ -130,6 +130,66 @@ def test_signals_stop_cleanly_and_resume(sig, code, reference, tmp_path):
     assert tree_digest(out) == tree_digest(ref)
 
 
+# A signal placed at one moment of a conversion from inside the process (``start_cli``'s prelude): ``signal_at``
+# wraps a function so that the process signals itself as it is called.
+SIGNAL_AT = """
+import importlib, os, signal
+def signal_at(owner, name, sig, point=None):
+    module, _, cls = owner.partition(":")
+    obj = importlib.import_module(module)
+    obj = getattr(obj, cls) if cls else obj
+    real = getattr(obj, name)
+    def wrapped(*a, **k):
+        if point is None or a[-1] == point:
+            os.kill(os.getpid(), sig)
+        return real(*a, **k)
+    setattr(obj, name, wrapped)
+"""
+WINDOWS = {  # where: (what is wrapped, its point, the signal, what the line says, OUT committed)
+    # between convert's two error handlers, once the API is imported: was a silent 130
+    "import": ("expq.progress", "quiet_hub_bars", None, signal.SIGINT, "before anything was written: OUT is "
+               "unchanged", False),
+    "plan": ("expq.api", "plan_conversion", None, signal.SIGTERM, "before anything was written: OUT is unchanged",
+             False),  # was death by SIGTERM, silent
+    "commit": ("expq.output.faults:Faults", "hit", "rename", signal.SIGHUP, "after the commit: OUT holds the "
+               "complete new checkpoint", True),  # was ignored: exit 0
+    "report": ("expq.api", "make_report", None, signal.SIGTERM, "after the commit: OUT holds the complete new "
+               "checkpoint", True),
+}
+
+
+@pytest.mark.parametrize("where", list(WINDOWS))
+def test_a_signal_outside_the_run_is_one_line_and_its_status(where, reference, tmp_path):
+    """A signal before the run (importing, planning) or at and after the commit: one line naming the signal and
+    what OUT holds, and 128 + the signal; nothing left beside OUT."""
+    owner, name, point, sig, says, committed = WINDOWS[where]
+    src, new, _, _ = reference
+    out = tmp_path / "out"
+    p = start_cli("convert", src, out, "--device", "cpu",
+                  prelude=SIGNAL_AT + f"signal_at({owner!r}, {name!r}, {int(sig)}, {point!r})")
+    text, _ = p.communicate(timeout=180)
+    assert p.returncode == 128 + sig, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: interrupted by {signal.Signals(sig).name}") \
+        and says in errors[0], text
+    assert "Traceback" not in text
+    assert (tree_digest(out) == new) if committed else not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_worker_error_after_the_signal_is_the_interrupt(reference, tmp_path):
+    """A worker that fails because the run is stopping (here its write, failing once the signal came; for real, the
+    stop landing in a first import: RecursionError) does not hide the interrupt: 130 and the resume line."""
+    src, _, _, _ = reference
+    out = tmp_path / "out"
+    p = start_cli("convert", src, out, "--device", "cpu", "--max-shard-size", SHARD, fault="write:1:stall-eio",
+                  prelude=SIGNAL_AT + f"signal_at('expq.output.faults:Faults', 'hit', {int(signal.SIGINT)}, 'write')")
+    text, _ = p.communicate(timeout=180)
+    assert p.returncode == 130, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: interrupted by SIGINT") and "resume" in errors[0], text
+
+
 def test_many_simultaneous_starts(reference, tmp_path):
     src, new, _, _ = reference
     out = tmp_path / "out"

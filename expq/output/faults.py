@@ -1,7 +1,7 @@
 """The fault seam (for tests): ``EXPQ_FAULT=POINT:N:ACTION[,...]`` makes the N-th ``write`` (a tensor written into
 a shard), ``rename`` (the commit's rename or exchange), ``fsync`` (any file or folder flushed) or ``settle`` (a source
-identity hashed while the run wrote, about to go into the journal: ``conversion.BackgroundIdentity``) of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, or ``stall`` it there until
-interrupted.
+identity hashed while the run wrote, about to go into the journal: ``conversion.BackgroundIdentity``) of this process fail with ``enospc`` or ``eio``, ``kill`` the process with SIGKILL right there, ``stall`` it there until
+interrupted, or ``stall-eio``: stall, then fail with EIO once interrupted (a worker's error that the stop caused).
 
 The writing code calls ``hit(point)`` at each of these points; ``active`` holds the rules read from the
 environment when expq is imported (a test in the same process may set another ``Faults`` there, e.g. one that
@@ -49,10 +49,11 @@ class Faults:
             return
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if action == "stall":  # hold everything as it is until the run is interrupted
+        if action in ("stall", "stall-eio"):  # hold everything as it is until the run is interrupted
             while not STOP.wait(0.05):
                 pass
-            return
+            if action == "stall":
+                return
         code = errno.ENOSPC if action == "enospc" else errno.EIO
         raise OSError(code, os.strerror(code))
 

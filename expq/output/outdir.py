@@ -151,6 +151,7 @@ class OutputDir:
                              "and partial output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
         self.warnings: list[str] = []  # what went wrong after the commit (the new checkpoint is in place)
+        self.committed = False  # the new checkpoint is OUT (``commit`` renamed it into place)
         self.kept_files: dict[str, dict] = {}  # a resumed run's finished files: name -> {size, sha256}
         self._journal: dict = {}
         self.existing: ManifestFile | None = None  # OUT's expq.json, read once by _check_out (None: none, or not expq's)
@@ -461,6 +462,7 @@ class OutputDir:
         except OSError as e:
             raise OutputError(f"cannot move the finished conversion into place: {e.strerror or e}; re-run the same "
                               "command to finish", file=str(self.out)) from None
+        self.committed = True
         self._after_commit(self.staging if replace else None)
 
     def _after_commit(self, old: Path | None) -> None:
