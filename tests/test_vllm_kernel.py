@@ -143,13 +143,24 @@ def test_default_runs_vllms_kernel(interpret, monkeypatch, caplog):
 @pytest.fixture
 def vllm_logging(monkeypatch):
     """The ``vllm`` logger as vLLM's default logging leaves it (a handler of its own, level INFO, no propagation),
-    writing to a buffer; restored afterwards."""
+    writing to a buffer; restored afterwards. ``plugin_lines`` of the buffer: the lines of expq's loggers.
+
+    Where real vLLM is importable it is imported first, as in vLLM's own processes, where vLLM is imported before
+    any plugin logs: vLLM 0.24 configures its logging when ``vllm.logger`` is imported (``dictConfig``, which
+    replaces the handlers of ``vllm``), so a stand-in handler installed before the plugin's first ``import
+    vllm.config`` would be dropped, and restoring the logger afterwards would undo vLLM's configuration. vLLM's own
+    lines (0.29+: Triton's notices when ``vllm.config`` is first imported) reach the buffer too: the test reads the
+    plugin's."""
+    import importlib
+    import importlib.util
     import io
     import logging
 
+    if importlib.util.find_spec("vllm") is not None:
+        importlib.import_module("vllm.logger")
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)
-    handler.setFormatter(logging.Formatter("vllm-format %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter("vllm-format %(name)s %(levelname)s %(message)s"))
     theirs = logging.getLogger("vllm")
     for name, value in dict(handlers=[handler], propagate=False).items():
         monkeypatch.setattr(theirs, name, value)
@@ -159,10 +170,18 @@ def vllm_logging(monkeypatch):
     theirs.setLevel(level)
 
 
+def plugin_lines(buffer) -> list[str]:
+    """The lines of expq's loggers (``plugin.LOGGER`` and its children) in ``vllm_logging``'s buffer, without the
+    logger's name."""
+    ours = (plugin.LOGGER, plugin.LOGGER + ".")
+    return [f"{head} {rest}" for head, name, rest in (line.split(" ", 2) for line in buffer.getvalue().splitlines())
+            if name == ours[0] or name.startswith(ours[1])]
+
+
 def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
     args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
     loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe"), monkeypatch)
-    assert vllm_logging.getvalue().splitlines() == [
+    assert plugin_lines(vllm_logging) == [
         "vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (m.layers.0.moe and "
         "the others)",
         f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
