@@ -140,53 +140,48 @@ def test_default_runs_vllms_kernel(interpret, monkeypatch, caplog):
     assert apply(method, layer, args[0], args[5], args[6]) is VLLM_RESULT and method.vllm_calls == 1
 
 
-@pytest.fixture
-def vllm_logging(monkeypatch):
-    """The ``vllm`` logger as vLLM's default logging leaves it (a handler of its own, level INFO, no propagation),
-    writing to a buffer; restored afterwards. ``plugin_lines`` of the buffer: the lines of expq's loggers.
-
-    Where real vLLM is importable it is imported first, as in vLLM's own processes, where vLLM is imported before
-    any plugin logs: vLLM 0.24 configures its logging when ``vllm.logger`` is imported (``dictConfig``, which
-    replaces the handlers of ``vllm``), so a stand-in handler installed before the plugin's first ``import
-    vllm.config`` would be dropped, and restoring the logger afterwards would undo vLLM's configuration. vLLM's own
-    lines (0.29+: Triton's notices when ``vllm.config`` is first imported) reach the buffer too: the test reads the
-    plugin's."""
-    import importlib
-    import importlib.util
-    import io
-    import logging
-
-    if importlib.util.find_spec("vllm") is not None:
-        importlib.import_module("vllm.logger")
-    buffer = io.StringIO()
-    handler = logging.StreamHandler(buffer)
-    handler.setFormatter(logging.Formatter("vllm-format %(name)s %(levelname)s %(message)s"))
-    theirs = logging.getLogger("vllm")
-    for name, value in dict(handlers=[handler], propagate=False).items():
-        monkeypatch.setattr(theirs, name, value)
-    level = theirs.level
-    theirs.setLevel(logging.INFO)  # setLevel, not the attribute: loggers cache their effective level
-    yield buffer
-    theirs.setLevel(level)
-
-
-def plugin_lines(buffer) -> list[str]:
-    """The lines of expq's loggers (``plugin.LOGGER`` and its children) in ``vllm_logging``'s buffer, without the
-    logger's name."""
-    ours = (plugin.LOGGER, plugin.LOGGER + ".")
-    return [f"{head} {rest}" for head, name, rest in (line.split(" ", 2) for line in buffer.getvalue().splitlines())
-            if name == ours[0] or name.startswith(ours[1])]
-
-
 def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
     args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
     loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe"), monkeypatch)
-    assert plugin_lines(vllm_logging) == [
+    assert vllm_logging.expq_lines() == [
         "vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (m.layers.0.moe and "
         "the others)",
         f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
         "sizes run, one per kernel "
         "variant) on m.layers.0.moe and the layers like it"]
+
+
+def test_plugin_lines_show_user_text_escaped(interpret, monkeypatch, vllm_logging):
+    """A layer name with a newline and an escape sequence: one line in vLLM's log each, shown escaped (no forged
+    line, no colour)."""
+    args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
+    loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe\nINFO forged\x1b[31m"), monkeypatch)
+    name = "m.layers.0.moe\\nINFO forged\\x1b[31m"
+    assert vllm_logging.expq_lines() == [
+        f"vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel ({name} and the "
+        "others)",
+        f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
+        f"sizes run, one per kernel variant) on {name} and the layers like it"]
+
+
+def test_kernel_table_warning_reaches_vllms_log(tmp_path, monkeypatch, vllm_logging):
+    """An unusable tuned table, read by expq's kernel in a vLLM process: one warning in vLLM's log (the kernels'
+    logger is a child of the plugin's), its path's control characters escaped."""
+    from expq.kernels import moe, tuned
+
+    assert tuned.LOGGER.startswith(vllm_kernel.LOGGER + ".")
+    folder = tmp_path / "tables\n\x1b[31m"
+    folder.mkdir()
+    (folder / "NVIDIA_H200.json").write_text("[]")
+    monkeypatch.setenv(tuned.ENV, str(folder))
+    monkeypatch.setattr(tuned, "_GPU_NAMES", {None: "NVIDIA H200"})
+    tuned.clear_cache()
+    for t in (1, 8):
+        moe.get_config(t, 8, 2, "cuda", hidden_size=64, intermediate_size=32, dtype=torch.bfloat16)
+    tuned.clear_cache()
+    assert vllm_logging.expq_lines() == [
+        f"vllm-format WARNING expq: ignoring the kernel config table {tmp_path}/tables\\n\\x1b[31m/NVIDIA_H200.json: "
+        "not an expq-moe-configs/1 table"]
 
 
 # --- expq's kernel through the plugin's apply --------------------------------------------------------------------
