@@ -1,8 +1,9 @@
 """A stacked expert tensor is quantized in slices of experts (``plan.Slice``; ``plan.SLICE_BYTES``, set here through
 ``EXPQ_SLICE_BYTES``): the output is byte for byte the unsliced conversion's (both formats; bf16, MXFP4 and FP8 block
 sources; 3-D and flat stacking; output shards cut inside a tensor's matrices), a conversion killed between two slices
-of a tensor resumes to the same bytes, and what one job reads, decodes and quantizes at once is bounded by the
-budget, not by the number of experts."""
+of a tensor resumes to the same bytes, row findings (zero, underflowing, NaN/inf: refused or recorded) are the whole
+tensor's, and what one job reads, decodes and quantizes at once is bounded by the budget, not by the number of
+experts."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 variable's values, the plugin's own MoE method (``expq.engines.vllm._method_class``) loading and applying a layer
 with expq's kernel (Triton's interpreter, fp16/fp32) against the fp32 reference for every activation, with
 tensor-parallel slices and expert-parallel maps summed over ranks, and its fallback to vLLM's kernel with one log
-line per reason. Real vLLM runs these paths on the GPU (bench/serve.py, bench/vllm_compare.py)."""
+line per reason; the plugin's and the kernels' lines in vLLM's log (stand-in handler), user text escaped. Real vLLM
+runs these paths on the GPU (bench/serve.py, bench/vllm_compare.py)."""
 
 from __future__ import annotations
 
