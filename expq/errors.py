@@ -1,8 +1,10 @@
-"""Errors expq raises: one line each, naming the file, tensor, expert and row where they apply."""
+"""Errors expq raises: one line each, naming the file, tensor, expert and row where they apply; and user text as
+expq prints it (``visible``)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 # How messages name the options that change an outcome: as Python parameters (``skip_verify=True``), or, while the
 # command line runs (``cli_options``), as its flags (``--skip-verify``). Process-wide, so that worker threads follow.
@@ -47,6 +49,25 @@ def scrub_tokens(text: str, *tokens: str | None) -> str:
         if t:
             text = text.replace(t, "***")
     return text
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_OR_LINE_BREAK = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def visible(text: str, *, one_line: bool = False) -> str:
+    r"""User text (a path, a tensor name, a config value) as expq prints it: literal (``[red]`` stays ``[red]``),
+    except control characters, which are shown escaped (``\x1b``) and never reach a terminal or a log; with
+    ``one_line`` (a log line, where a newline in a path would forge the next line), tabs and line breaks too.
+
+    Example:
+        >>> visible("out/\x1b[31m[usb]")
+        'out/\\x1b[31m[usb]'
+        >>> visible("a\nb\tc"), visible("a\nb\tc", one_line=True)
+        ('a\nb\tc', 'a\\nb\\tc')
+    """
+    pattern = _CONTROL_OR_LINE_BREAK if one_line else _CONTROL
+    return pattern.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 class ExpqError(Exception):

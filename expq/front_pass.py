@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import cpu_kernels, parallel
-from .errors import NonFiniteError, OutputError
+from .errors import NonFiniteError, OutputError, option
 from .io.safetensors import copy_bytes, map_tensor
 from .plan import Job, JobKind, OutTensor, Plan, Slice
 from .scheme import canonical_nan_, matrix_scales, scales_from_absmax
@@ -212,4 +212,4 @@ def check_decoded(job: Job, t: torch.Tensor, allow_nonfinite: bool) -> None:
         parts = ", ".join(p.name for p in job.tensor.parts[1:]) or "its stored values"
         raise NonFiniteError(f"decodes to {bad} NaN/infinite values (from {parts}); the source is corrupt",
                              file=job.tensor.file, tensor=job.tensor.name,
-                             hint="pass --allow-nonfinite to write it anyway")
+                             hint=f"pass {option('allow_nonfinite')} to write it anyway")

@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 import torch
 
 from . import parallel
-from .errors import NonFiniteError
+from .errors import NonFiniteError, option
 from .interrupts import StopSignal
 from .io import buffers
 from .io.safetensors import DTYPE_BITS, TORCH_DTYPES, TensorInfo, read_tensor
@@ -360,7 +360,15 @@ class _DevicePipeline:
             w = buffers.empty(w.shape, plan.compute_dtype).copy_(w)
         codes, scales, rep = quantize_matrix(w)
         del w
-        item.rows_found = self._job_rows_found(item, _rows_found(job, piece, rep, plan, self.run.allow_nonfinite))
+        found = self._job_found_so_far(item, _rows_found(job, piece, rep))
+        if item.last:
+            item.rows_found = found
+        else:
+            self.partial[item.index] = found
+        if found["nonfinite"] and not self.run.allow_nonfinite:
+            if item.last:  # the whole tensor's count, as when it is taken whole
+                raise _nonfinite_error(job, found, plan)
+            return  # nothing written: the job fails at its last slice
         encoded = plan.format.encode(codes, scales, et.matrices)
         del codes
         for group, tensors in zip(job.groups_of(piece), encoded):
@@ -375,15 +383,12 @@ class _DevicePipeline:
             front = {o.name for o in self.run.front[item.index]}
             item.writes = [(o, x) for o, x in item.writes if o.name not in front]
 
-    def _job_rows_found(self, item: _Item, found: dict) -> dict | None:
-        """The row findings of a job quantized slice by slice, added up in slice order (the same as the whole
-        tensor's: the rows come in the same order): the job's at its last slice, else None (kept until then)."""
+    def _job_found_so_far(self, item: _Item, found: dict) -> dict:
+        """The row findings of a job quantized slice by slice, added up in slice order up to this slice (at its
+        last slice the same as the whole tensor's: the rows come in the same order)."""
         if item.piece.first > 0:
             found = _merge_found(self.partial.pop(item.index), found)
-        if item.last:
-            return found
-        self.partial[item.index] = found
-        return None
+        return found
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -416,28 +421,31 @@ class _DevicePipeline:
                 run.on_progress(job.tensor.nbytes_stored, len(run.shards.closed))
 
 
-def _rows_found(job: Job, piece: Slice, rep, plan: Plan, allow_nonfinite: bool) -> dict:
-    """The row findings of one slice of a job (JSON-ready); raises NonFiniteError for a NaN/inf row unless
-    allowed."""
+def _rows_found(job: Job, piece: Slice, rep) -> dict:
+    """The row findings of one slice of a job (JSON-ready): counts, and the first rows of each kind located."""
     src, et = job.tensor, piece.expert
-    where = "this tensor" if piece.tensor is src else f"experts {piece.first}-{piece.stop - 1} of this tensor"
     rows = et.rows_per_matrix
 
-    def note(r: int) -> RowNote:
+    def note(r: int) -> list:
         m = et.matrices[r // rows]
-        return RowNote(src.name, m.layer, m.expert, m.proj, r % rows)
+        return _note(RowNote(src.name, m.layer, m.expert, m.proj, r % rows))
 
-    if rep.nonfinite_rows and not allow_nonfinite:
-        n = note(rep.nonfinite_rows[0])
-        cast = "" if TORCH_DTYPES[src.dtype] == plan.compute_dtype else f" after the cast from {src.dtype} to " \
-            f"{str(plan.compute_dtype).removeprefix('torch.')}"
-        raise NonFiniteError(f"routed-expert row holds NaN or infinity{cast} ({len(rep.nonfinite_rows)} such rows "
-                             f"in {where}, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
-                             file=src.file, tensor=src.name, expert=n.expert, row=n.row,
-                             hint="pass --allow-nonfinite to reproduce vLLM anyway")
     return {"zero": len(rep.zero_rows), "underflow": len(rep.underflow_rows), "nonfinite": len(rep.nonfinite_rows),
-            "underflow_examples": [_note(note(r)) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
-            "nonfinite_examples": [_note(note(r)) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
+            "underflow_examples": [note(r) for r in rep.underflow_rows[:MAX_LISTED_ROWS]],
+            "nonfinite_examples": [note(r) for r in rep.nonfinite_rows[:MAX_LISTED_ROWS]]}
+
+
+def _nonfinite_error(job: Job, found: dict, plan: Plan) -> NonFiniteError:
+    """The refusal of a job whose rows hold NaN/inf: the whole tensor's count (``found``: every slice's findings
+    added up) and its first such row, the same whether the tensor was quantized whole or in slices."""
+    src, n = job.tensor, RowNote(*found["nonfinite_examples"][0])
+    count = found["nonfinite"]
+    cast = "" if TORCH_DTYPES[src.dtype] == plan.compute_dtype else f" after the cast from {src.dtype} to " \
+        f"{str(plan.compute_dtype).removeprefix('torch.')}"
+    return NonFiniteError(f"routed-expert row holds NaN or infinity{cast} ({count} such row{'s' * (count != 1)} in "
+                          f"this tensor, first: layer {n.layer} {n.proj}); vLLM would quantize it to garbage",
+                          file=src.file, tensor=src.name, expert=n.expert, row=n.row,
+                          hint=f"pass {option('allow_nonfinite')} to reproduce vLLM anyway")
 
 
 def _merge_found(a: dict, b: dict) -> dict:

@@ -120,3 +120,48 @@ def cpu_path(request, monkeypatch):
     assert cpu_kernels.active() == request.param
     return request.param
 # ====================================== end of cpu_path fixture ======================================
+
+
+class StandInVllmLog:
+    """vLLM's log as ``vllm_logging`` stands in for it: ``expq_lines()``, the lines of expq's loggers (the plugin's,
+    ``vllm.expq``, and its children) as vLLM's handler wrote them, without the logger's name."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def expq_lines(self) -> list[str]:
+        from expq.engines.vllm_kernel import LOGGER
+
+        return [f"{head} {rest}" for head, name, rest in (line.split(" ", 2) for line in self.buffer.getvalue()
+                                                          .splitlines())
+                if name == LOGGER or name.startswith(LOGGER + ".")]
+
+
+@pytest.fixture
+def vllm_logging(monkeypatch):
+    """The ``vllm`` logger as vLLM's default logging leaves it (a handler of its own, level INFO, no propagation),
+    writing to a buffer (``StandInVllmLog``); restored afterwards.
+
+    Where real vLLM is importable it is imported first, as in vLLM's own processes, where vLLM is imported before
+    any plugin logs: vLLM 0.24 configures its logging when ``vllm.logger`` is imported (``dictConfig``, which
+    replaces the handlers of ``vllm``), so a stand-in handler installed before the plugin's first ``import
+    vllm.config`` would be dropped, and restoring the logger afterwards would undo vLLM's configuration. vLLM's own
+    lines (0.29+: Triton's notices when ``vllm.config`` is first imported) reach the buffer too: tests read
+    ``expq_lines``."""
+    import importlib
+    import importlib.util
+    import io
+    import logging
+
+    if importlib.util.find_spec("vllm") is not None:
+        importlib.import_module("vllm.logger")
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(logging.Formatter("vllm-format %(name)s %(levelname)s %(message)s"))
+    theirs = logging.getLogger("vllm")
+    for name, value in dict(handlers=[handler], propagate=False).items():
+        monkeypatch.setattr(theirs, name, value)
+    level = theirs.level
+    theirs.setLevel(logging.INFO)  # setLevel, not the attribute: loggers cache their effective level
+    yield StandInVllmLog(buffer)
+    theirs.setLevel(level)

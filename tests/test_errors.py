@@ -71,9 +71,12 @@ def test_nonfinite_row_names_tensor_expert_row(tmp_path, tmp_path_factory):
     e = ei.value
     assert (e.tensor, e.expert, e.row) == (name, 2, 5)
     assert "NaN or infinity" in str(e) and name in str(e) and "expert 2" in str(e) and "row 5" in str(e)
+    assert "(1 such row in this tensor, first: layer 1 up)" in str(e)  # one row: "row", not "rows"
+    assert str(e).endswith("(pass allow_nonfinite=True to reproduce vLLM anyway)")  # as Python spells it
     assert_no_output(out)
     code, text = run_cli("convert", src, out, "--device", "cpu")
     assert code == 1 and "row 5" in text and "Traceback" not in text
+    assert text.rstrip().endswith("(pass --allow-nonfinite to reproduce vLLM anyway)")  # as the command line does
     assert_no_output(out)
     # allowed on request: reproduces vLLM and reports the row
     r = expq.convert(src, out, device="cpu", allow_nonfinite=True)

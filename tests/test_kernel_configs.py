@@ -12,12 +12,16 @@ spells out SPLIT_K and SWAP_AB.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import warnings
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from expq.errors import visible
 from expq.kernels import moe as moe_mod
 from expq.kernels import tuned
 
@@ -66,6 +70,23 @@ def gpu(tmp_path, monkeypatch):
     tuned.clear_cache()
 
 
+@pytest.fixture
+def tuned_log():
+    """The messages of the kernels' logger (``tuned.LOGGER``), from a handler of its own (whatever the process's
+    logging: a real vLLM's, pytest's)."""
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelname, record.getMessage()))
+
+    lines: list[tuple[str, str]] = []
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger(tuned.LOGGER)
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
 def raw_call(t, device="cuda", dtype=torch.bfloat16, **kw):
     return moe_mod.get_config(t, SHAPE["num_experts"], SHAPE["top_k"], device, hidden_size=SHAPE["hidden_size"],
                               intermediate_size=SHAPE["intermediate_size"], dtype=dtype, **kw)
@@ -94,7 +115,7 @@ def test_names():
 ISSUE13_SHAPES = {(8, 4096, 14336, 2), (128, 2048, 768, 8), (256, 7168, 2048, 8)}
 
 
-def test_shipped_h200_table(monkeypatch):
+def test_shipped_h200_table(monkeypatch, tuned_log):
     """The committed table (bench/tune_kernel.py on one H200, docs/benchmarks.md): readable as a whole, marked
     measured, one entry per issue-13 point (3 shapes x 6 token buckets, bf16), and for the two shapes served by
     bench/serve.py the batch sizes vLLM runs them at (16, 64, 256, 512, 2048 and 16384 tokens: issue 26), each a valid
@@ -106,9 +127,8 @@ def test_shipped_h200_table(monkeypatch):
     monkeypatch.delenv(tuned.ENV, raising=False)
     monkeypatch.setattr(tuned, "_GPU_NAMES", {None: "NVIDIA H200", 0: "NVIDIA H200", 1: "Other GPU"})
     tuned.clear_cache()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        table = tuned.load_table("NVIDIA H200")
+    table = tuned.load_table("NVIDIA H200")
+    assert tuned_log == []
     shapes = {tuple(int(f.split("=")[1]) for f in k.split(",")[:4]) for k in table}
     assert shapes == ISSUE13_SHAPES
     served = {tuned.shape_key(8, 4096, 14336, 2, "bfloat16"), tuned.shape_key(128, 2048, 768, 8, "bfloat16")}
@@ -195,17 +215,34 @@ def test_env_off(gpu, monkeypatch):
     dict(shapes_entry={"x": CFG_A}),
     dict(shapes_entry={}),
 ])
-def test_unusable_file_is_ignored_whole(gpu, bad):
+def test_unusable_file_is_ignored_whole(gpu, bad, tuned_log):
     entry = bad.pop("shapes_entry", None)
     shapes = {KEY: entry if entry is not None else {"1": CFG_A},
               tuned.shape_key(8, 4096, 14336, 2, "bfloat16"): {"1": CFG_B}}
     gpu(shapes, **bad)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert call(1) == default_config(1, 128, 8)
-        assert get_config(1, 8, 2, "cuda", hidden_size=4096, intermediate_size=14336,
-                          dtype=torch.bfloat16) == default_config(1, 8, 2)
-    assert sum("ignoring the kernel config table" in str(w.message) for w in caught) == 1  # read once
+    assert call(1) == default_config(1, 128, 8)
+    assert get_config(1, 8, 2, "cuda", hidden_size=4096, intermediate_size=14336,
+                      dtype=torch.bfloat16) == default_config(1, 8, 2)
+    assert len(tuned_log) == 1 and tuned_log[0][0] == "WARNING"  # read once
+    assert tuned_log[0][1].startswith(f"expq: ignoring the kernel config table {visible(os.environ[tuned.ENV])}"
+                                      "/NVIDIA_H200.json: ")
+
+
+def test_an_unusable_file_is_one_line_on_stderr_outside_vllm(tmp_path):
+    """Outside vLLM (``expq verify``, ``load_model``: nothing configures logging), the warning is one line on
+    stderr, once per process, its path's control characters escaped."""
+    folder = tmp_path / "tables\nINFO forged\x1b[31m"
+    folder.mkdir()
+    (folder / "NVIDIA_H200.json").write_text("{not json")
+    code = ("import torch; from expq.kernels import moe, tuned; tuned._GPU_NAMES[None] = 'NVIDIA H200'\n"
+            "for t in (1, 8, 64): moe.get_config(t, 8, 2, 'cuda', hidden_size=64, intermediate_size=32, "
+            "dtype=torch.bfloat16)")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, tuned.ENV: str(folder)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert r.stderr.splitlines() == [
+        f"expq: ignoring the kernel config table {tmp_path}/tables\\nINFO forged\\x1b[31m/NVIDIA_H200.json: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"]
 
 
 def test_no_cuda_no_lookup(monkeypatch, tmp_path):

@@ -1,8 +1,9 @@
 """A stacked expert tensor is quantized in slices of experts (``plan.Slice``; ``plan.SLICE_BYTES``, set here through
 ``EXPQ_SLICE_BYTES``): the output is byte for byte the unsliced conversion's (both formats; bf16, MXFP4 and FP8 block
 sources; 3-D and flat stacking; output shards cut inside a tensor's matrices), a conversion killed between two slices
-of a tensor resumes to the same bytes, and what one job reads, decodes and quantizes at once is bounded by the
-budget, not by the number of experts."""
+of a tensor resumes to the same bytes, row findings (zero, underflowing, NaN/inf: refused or recorded) are the whole
+tensor's, and what one job reads, decodes and quantizes at once is bounded by the budget, not by the number of
+experts."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import signal
 import pytest
 import torch
 from fp8_fixture import make_fp8_stacked
-from helpers import edit_shard_tensors, example, start_cli, tree_digest
+from helpers import edit_shard_tensors, example, load_json, start_cli, tree_digest
 from mxfp4_fixture import FIXTURE_OVERRIDES, make_mxfp4_gpt_oss
 
 import expq
 from expq import cpu_kernels, front_pass, pipeline, plan as plan_mod
 from expq.decoders import detect
+from expq.errors import NonFiniteError
 from expq.io.safetensors import read_tensor
 from expq.plan import JobKind
 from expq.source import open_source
@@ -204,6 +206,45 @@ def test_row_findings_add_up_over_the_slices(sources, tmp_path, monkeypatch):
         (whole.zero_rows, whole.underflow_rows, whole.underflow_examples)
     assert [e.split(" expert ")[1].split(" ", 2)[:2] for e in whole.underflow_examples] == \
         [["0", "up"], ["2", "up"], ["3", "gate"]]  # in row order: stored columns 9, 9 and 2 (odd: up)
+    assert tree_digest(tmp_path / "sliced") == tree_digest(tmp_path / "whole")
+
+
+def test_nonfinite_rows_found_alike_over_the_slices(sources, tmp_path, monkeypatch):
+    """NaN/inf rows in several slices of a tensor: the refusal names the whole tensor's count and its first row, and
+    an allowed conversion records them, exactly as when the tensor is taken whole."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["gpt_oss-bf16"], src)
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # [E, H, 2I]: column 2r is gate row r, 2r+1 up row r
+
+    def edit(tensors):
+        w = tensors[name]
+        w[1, 3, 6] = w[1, 7, 11] = float("nan")  # expert 1: gate row 3, up row 5
+        w[3, 0, 2] = float("-inf")  # expert 3 (another slice): gate row 1
+
+    edit_shard_tensors(src, name, edit)
+    got = {}
+    for how, budget in (("whole", None), ("sliced", str(BUDGET))):
+        if budget is None:
+            monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(plan_mod.SLICE_ENV, budget)
+        job, = (j for j in quantize_jobs(expq.inspect(src)) if j.tensor.name == name)
+        assert len(job.slices) == (1 if budget is None else 4)
+        with pytest.raises(NonFiniteError) as ei:
+            expq.convert(src, tmp_path / f"refused-{how}", device="cpu", format="experts-int8")
+        e = ei.value
+        assert not (tmp_path / f"refused-{how}").exists()
+        r = expq.convert(src, tmp_path / how, device="cpu", format="experts-int8", allow_nonfinite=True)
+        got[how] = (str(e), (e.tensor, e.expert, e.row), r.nonfinite_rows, r.nonfinite_examples,
+                    load_json(tmp_path / how / "expq.json")["rows"])
+    assert got["sliced"] == got["whole"]
+    assert got["whole"][:4] == (
+        f"file {job.tensor.file}, tensor {name}, expert 1, row 3: routed-expert row "
+        "holds NaN or infinity (3 such rows in this tensor, first: layer 1 gate); vLLM would quantize it to garbage "
+        "(pass allow_nonfinite=True to reproduce vLLM anyway)", (name, 1, 3), 3,
+        [f"{name} layer 1 expert 1 gate row 3", f"{name} layer 1 expert 1 up row 5",
+         f"{name} layer 1 expert 3 gate row 1"])
+    assert got["whole"][4]["nonfinite"] == 3
     assert tree_digest(tmp_path / "sliced") == tree_digest(tmp_path / "whole")
 
 

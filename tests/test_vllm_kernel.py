@@ -2,7 +2,8 @@
 variable's values, the plugin's own MoE method (``expq.engines.vllm._method_class``) loading and applying a layer
 with expq's kernel (Triton's interpreter, fp16/fp32) against the fp32 reference for every activation, with
 tensor-parallel slices and expert-parallel maps summed over ranks, and its fallback to vLLM's kernel with one log
-line per reason. Real vLLM runs these paths on the GPU (bench/serve.py, bench/vllm_compare.py)."""
+line per reason; the plugin's and the kernels' lines in vLLM's log (stand-in handler), user text escaped. Real vLLM
+runs these paths on the GPU (bench/serve.py, bench/vllm_compare.py)."""
 
 from __future__ import annotations
 
@@ -140,34 +141,48 @@ def test_default_runs_vllms_kernel(interpret, monkeypatch, caplog):
     assert apply(method, layer, args[0], args[5], args[6]) is VLLM_RESULT and method.vllm_calls == 1
 
 
-@pytest.fixture
-def vllm_logging(monkeypatch):
-    """The ``vllm`` logger as vLLM's default logging leaves it (a handler of its own, level INFO, no propagation),
-    writing to a buffer; restored afterwards."""
-    import io
-    import logging
-
-    buffer = io.StringIO()
-    handler = logging.StreamHandler(buffer)
-    handler.setFormatter(logging.Formatter("vllm-format %(levelname)s %(message)s"))
-    theirs = logging.getLogger("vllm")
-    for name, value in dict(handlers=[handler], propagate=False).items():
-        monkeypatch.setattr(theirs, name, value)
-    level = theirs.level
-    theirs.setLevel(logging.INFO)  # setLevel, not the attribute: loggers cache their effective level
-    yield buffer
-    theirs.setLevel(level)
-
-
 def test_plugin_lines_reach_vllms_log(interpret, monkeypatch, vllm_logging):
     args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
     loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe"), monkeypatch)
-    assert vllm_logging.getvalue().splitlines() == [
+    assert vllm_logging.expq_lines() == [
         "vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel (m.layers.0.moe and "
         "the others)",
         f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
         "sizes run, one per kernel "
         "variant) on m.layers.0.moe and the layers like it"]
+
+
+def test_plugin_lines_show_user_text_escaped(interpret, monkeypatch, vllm_logging):
+    """A layer name with a newline and an escape sequence: one line in vLLM's log each, shown escaped (no forged
+    line, no colour)."""
+    args, _ = make_problem(t=5, dtype=torch.float16, seed=77)
+    loaded_method(vllm_layer(*args[1:5], name="m.layers.0.moe\nINFO forged\x1b[31m"), monkeypatch)
+    name = "m.layers.0.moe\\nINFO forged\\x1b[31m"
+    assert vllm_logging.expq_lines() == [
+        f"vllm-format INFO EXPQ_VLLM_KERNEL=expq: the routed experts run expq's fused-MoE kernel ({name} and the "
+        "others)",
+        f"vllm-format INFO expq's kernel warmed up for steps of 1 to {vllm_kernel.max_batched_tokens()} tokens (2 step "
+        f"sizes run, one per kernel variant) on {name} and the layers like it"]
+
+
+def test_kernel_table_warning_reaches_vllms_log(tmp_path, monkeypatch, vllm_logging):
+    """An unusable tuned table, read by expq's kernel in a vLLM process: one warning in vLLM's log (the kernels'
+    logger is a child of the plugin's), its path's control characters escaped."""
+    from expq.kernels import moe, tuned
+
+    assert tuned.LOGGER.startswith(vllm_kernel.LOGGER + ".")
+    folder = tmp_path / "tables\n\x1b[31m"
+    folder.mkdir()
+    (folder / "NVIDIA_H200.json").write_text("[]")
+    monkeypatch.setenv(tuned.ENV, str(folder))
+    monkeypatch.setattr(tuned, "_GPU_NAMES", {None: "NVIDIA H200"})
+    tuned.clear_cache()
+    for t in (1, 8):
+        moe.get_config(t, 8, 2, "cuda", hidden_size=64, intermediate_size=32, dtype=torch.bfloat16)
+    tuned.clear_cache()
+    assert vllm_logging.expq_lines() == [
+        f"vllm-format WARNING expq: ignoring the kernel config table {tmp_path}/tables\\n\\x1b[31m/NVIDIA_H200.json: "
+        "not an expq-moe-configs/1 table"]
 
 
 # --- expq's kernel through the plugin's apply --------------------------------------------------------------------

@@ -471,6 +471,23 @@ def test_dtype_other_than_the_conversion_is_warned(converted, caplog):
     assert "converted in bfloat16 but is served in float16" in caplog.text
 
 
+def test_a_model_path_is_shown_escaped_in_vllms_log(converted, tmp_path, monkeypatch, vllm_logging):
+    """A checkpoint directory whose name holds a newline and an escape sequence, served in another dtype: the
+    plugin's warning is one line of vLLM's log, the path escaped (no forged line, no colour)."""
+    import shutil
+
+    _, ck, _ = converted("mixtral")
+    path = tmp_path / "ckpt\nWARNING forged\x1b[31m"
+    shutil.copytree(ck.root, path)
+    monkeypatch.setattr(plugin, "attach_loaders", lambda model, ck: {})  # no vLLM model: the warning is the point
+    weights = [("model.embed_tokens.weight", torch.zeros(2))]
+    model_config = SimpleNamespace(model=str(path), dtype=torch.float16)
+    assert [n for n, _ in plugin.routed_weights(iter(weights), model_config, None)] == ["model.embed_tokens.weight"]
+    assert vllm_logging.expq_lines() == [
+        f"vllm-format WARNING {tmp_path}/ckpt\\nWARNING forged\\x1b[31m was converted in bfloat16 but is served in "
+        "float16: outputs will differ from online experts_int8 in float16 (serve with --dtype bfloat16)"]
+
+
 @pytest.mark.parametrize("shards", [1, 3], ids=["one-file", "indexed"])
 def test_checkpoint_dir_of_a_hub_repo(shards, tmp_path, monkeypatch):
     """`vllm serve <repo id>`: the plugin opens the checkpoint from the Hub cache. A one-file checkpoint has no

@@ -49,7 +49,7 @@ from ..errors import ExpqError, LayoutError, SourceError
 from ..formats.experts_int8 import ExpertsInt8Format
 from . import vllm_compat as compat
 from .moe_loading import LayerLoader, Partition, empty_params, route_weights
-from .vllm_kernel import LOGGER
+from .vllm_kernel import LOGGER as LOGGER, log  # LOGGER: the plugin's logger, named here too
 
 SERVED = ExpertsInt8Format
 """The format the plugin serves: int8 codes and per-row scales, the tensors vLLM's experts_int8 method holds."""
@@ -57,7 +57,6 @@ QUANT_METHOD = SERVED.quant_method
 """The ``quant_method`` of the checkpoint's ``quantization_config`` and the name of the registered vLLM config."""
 
 _LOCK = threading.Lock()
-_LOG = logging.getLogger(LOGGER)
 # "api", "config_cls", "method_cls" once registered ("refusal": why not, on an unsupported vLLM); "routing": the
 # last loader call's quantization.
 _STATE: dict[str, Any] = {}
@@ -126,7 +125,7 @@ def _check_contract(api: SimpleNamespace, what: str, hint: str) -> None:
     if not changed:
         changed, notes = compat.behaviour_changes(api)
         for note in notes:
-            _LOG.warning("expq plugin on vLLM %s: %s", vllm_version(), note)
+            log(logging.WARNING, "expq plugin on vLLM %s: %s", vllm_version(), note)
     if changed:
         raise ExpqError(f"{what}: {'; '.join(changed)}", hint=hint)
 
@@ -224,7 +223,7 @@ def _register_refusal(err: ExpqError) -> None:
         def get_quant_method(self, layer, prefix):
             raise err
 
-    _LOG.warning("expq's vLLM plugin is inactive: %s", err)
+    log(logging.WARNING, "expq's vLLM plugin is inactive: %s", err)
     register_quantization_config(QUANT_METHOD)(_publish(ExpqUnsupportedVllm, "ExpqUnsupportedVllm"))
     _STATE.update(config_cls=ExpqUnsupportedVllm, refusal=err)
 
@@ -398,8 +397,8 @@ def _warn_dtype(ck, model_config) -> None:
     converted = getattr(getattr(ck.manifest, "options", None), "dtype", None)
     served = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
     if converted and served and converted != served:
-        _LOG.warning("%s was converted in %s but is served in %s: outputs will differ from online experts_int8 "
-                     "in %s (serve with --dtype %s)", model_config.model, converted, served, served, converted)
+        log(logging.WARNING, "%s was converted in %s but is served in %s: outputs will differ from online "
+            "experts_int8 in %s (serve with --dtype %s)", model_config.model, converted, served, served, converted)
 
 
 def checkpoint_dir(model_config, download_dir: str | None = None) -> Path:

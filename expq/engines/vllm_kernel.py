@@ -41,7 +41,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import ExpqError
+from ..errors import ExpqError, visible
 from ..experts import gate_then_up
 
 ENV = "EXPQ_VLLM_KERNEL"
@@ -64,9 +64,17 @@ LOGGER = "vllm.expq"
 logger, so that its lines reach vLLM's log at vLLM's level whenever vLLM configures logging (its default,
 ``VLLM_CONFIGURE_LOGGING=1``: a handler on ``vllm``, which does not propagate; a logger outside that tree has no
 handler there, and Python drops its lines below WARNING), before or after the plugin loads; where vLLM leaves
-logging to the application, the lines propagate to the application's handlers."""
+logging to the application, the lines propagate to the application's handlers. Its lines go through ``log`` (user
+text escaped); expq's kernels log under a child of it (``expq.kernels.tuned.LOGGER``)."""
 _LOG = logging.getLogger(LOGGER)
 _LOGGED: set[str] = set()
+
+
+def log(level: int, message: str, *args) -> None:
+    """One line of the plugin in vLLM's log: ``message % args`` with its user text (a model path, a layer name, a
+    config value) shown as expq prints user text (``errors.visible``, one line: no control character, newline
+    included, reaches the log). Logged at the caller's line."""
+    _LOG.log(level, visible(message % args if args else message, one_line=True), stacklevel=2)
 
 
 def kernel_choice(environ: Mapping[str, str] | None = None) -> str:
@@ -128,8 +136,8 @@ class ExpqExperts:
                          w2_bias=self.w2_bias, apply_router_weight_on_input=on_input, expert_map=emap)
         if layer.w13_weight.is_cuda:
             torch.cuda.empty_cache()  # the warm-up's buffers: not held into vLLM's memory profiling
-        _LOG.info("expq's kernel warmed up for steps of 1 to %d tokens (%d step sizes run, one per kernel variant) "
-                  "on %s and the layers like it", max_tokens, len(counts), name)
+        log(logging.INFO, "expq's kernel warmed up for steps of 1 to %d tokens (%d step sizes run, one per kernel "
+            "variant) on %s and the layers like it", max_tokens, len(counts), name)
         return counts
 
     def __call__(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -265,4 +273,4 @@ def deinterleave_w13(layer: torch.nn.Module) -> None:
 def _log_once(key: str, message: str) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
-        (_LOG.info if key == "served" else _LOG.warning)(message)
+        log(logging.INFO if key == "served" else logging.WARNING, message)

@@ -23,7 +23,7 @@ bucket: vLLM's rule for its own tuned files). Otherwise it returns None and ``ge
 default. An entry may leave out ``SPLIT_K``, ``SWAP_AB`` and ``FUSE_ACT`` (tables written before the kernel had
 them): they are then 1, false and false (``CONFIG_DEFAULTS``); ``lookup`` always returns all nine keys. A file
 whose ``measured`` is not ``true``, of another format, or with a malformed entry is ignored as a whole (one
-warning), never half-used. Files are read once per process.
+warning line, ``LOGGER``), never half-used. Files are read once per process.
 
 ``EXPQ_KERNEL_CONFIGS``: a directory searched before the package's own (to try a freshly tuned table before it is
 committed); the value ``off`` disables tables altogether.
@@ -32,16 +32,24 @@ committed); the value ``off`` disables tables altogether.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-import warnings
 from pathlib import Path
 
 import torch
 
+from ..errors import visible
+
 FORMAT = "expq-moe-configs/1"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ENV = "EXPQ_KERNEL_CONFIGS"
+LOGGER = "vllm.expq.kernels"
+"""The kernels' logger (a table that cannot be used): a child of the vLLM plugin's (``engines.vllm_kernel.LOGGER``),
+so that in a vLLM process its lines reach vLLM's log as the plugin's do. Elsewhere (``expq verify``,
+``load_model``) nothing configures the ``vllm`` loggers: a line goes to the application's handlers, or, where there
+are none (expq's command line), to stderr through Python's last-resort handler (WARNING and above)."""
+_LOG = logging.getLogger(LOGGER)
 
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K",
                "SWAP_AB", "FUSE_ACT")
@@ -189,7 +197,7 @@ def load_table(gpu_name: str) -> dict | None:
             table = parse_table(json.loads(path.read_text()))
             break
         except (OSError, ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
-            warnings.warn(f"expq: ignoring the kernel config table {path}: {e}", RuntimeWarning, stacklevel=2)
+            _LOG.warning(visible(f"expq: ignoring the kernel config table {path}: {e}", one_line=True))
     _CACHE[cache_key] = table
     return table
 

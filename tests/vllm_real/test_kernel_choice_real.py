@@ -20,7 +20,7 @@ from helpers import converted_factory  # noqa: E402
 
 from expq.engines import vllm as plugin  # noqa: E402
 from expq.engines import vllm_kernel  # noqa: E402
-from expq.kernels import moe_reference  # noqa: E402
+from expq.kernels import moe_reference, tuned  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +86,12 @@ def test_plugin_lines_go_to_vllms_log(capsys):
     try:
         vllm.logger._configure_vllm_root_logger()  # what vLLM runs (0.24: at import; 0.30+: per engine process)
         logging.getLogger(plugin.LOGGER).info("a line of expq's plugin")
+        logging.getLogger(tuned.LOGGER).warning("a line of expq's kernel")  # the tuned-table warning's logger
         logging.getLogger("expq.elsewhere").info("a line outside vLLM's tree")  # negative control: dropped
     finally:
         vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate = saved[:3]
         logging.setLogRecordFactory(saved[3])
     out = capsys.readouterr()
     assert "a line of expq's plugin" in out.out and "INFO" in out.out
+    assert "a line of expq's kernel" in out.out and "WARNING" in out.out
     assert "outside vLLM's tree" not in out.out + out.err
