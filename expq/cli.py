@@ -15,17 +15,15 @@ generated text never go through rich when piped.
 from __future__ import annotations
 
 if __name__ == "__main__":  # ``python -m expq.cli``: from its first line (``console`` takes over once imported)
-    from expq.interrupts import end_on_signals
+    from expq.launch import guard_start
 
-    end_on_signals(line="error: interrupted by {signal} while expq was starting: nothing was done; re-run the same "
-                        "command")
+    guard_start()
 
 import contextlib
 import errno
 import functools
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -39,7 +37,7 @@ from typer.core import TyperArgument, TyperCommand
 
 from . import options
 from .options import format_size
-from .errors import ExpqError, cli_options
+from .errors import ExpqError, cli_options, visible
 from .interrupts import STOP, as_interrupted, end_on_signals, interrupted_outside_run, raise_on_signals
 from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
@@ -64,16 +62,6 @@ err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 Cell = str | Text
-
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def visible(text: str) -> str:
-    """User text as it is printed: literal (``[red]`` stays ``[red]``), except control characters (an escape
-    sequence in a path, a tensor name or a config value), which are shown escaped (``\\x1b``) and never reach the
-    terminal."""
-    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def _cell(c: Cell) -> Text:
@@ -562,8 +550,8 @@ def _between_steps(e: BaseException):
 
 
 def console() -> None:
-    """The ``expq`` console script (and ``python -m expq.cli``): ``main``, then, once its output is flushed, the
-    process ends at once (``os._exit``) instead of tearing the interpreter down, which costs a conversion about a
+    """The command line (the ``expq`` console script, through ``launch.main``, and ``python -m expq.cli``): ``main``,
+    then, once its output is flushed, the process ends at once (``os._exit``) instead of tearing the interpreter down, which costs a conversion about a
     second (measured on a 2-core CPU: 0.9 s after a small conversion; every module, torch's included, finalised
     for a process that is about to end). Everything a command writes is committed before it returns. The normal
     exit is kept where something still runs or must be finalised: a thread that is not a daemon, Ray (its atexit

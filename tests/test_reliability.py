@@ -237,3 +237,40 @@ def test_rerun_on_a_complete_out_is_a_quick_noop(reference, tmp_path):
     (out / "model.safetensors").write_bytes(b"x" * (out / "model.safetensors").stat().st_size)  # same size
     report = expq.convert(src, out, device="cpu", overwrite=True)
     assert not report.up_to_date and tree_digest(out) == new  # content, not names, decides
+
+
+# A signal while the `expq` script imports its command line (typer, rich, click): the finder below signals the
+# process as the first of them is imported.
+SIGNAL_ON_IMPORT = """
+import os, sys
+class SignalOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "typer":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), {sig})
+        return None
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["expq", "--version"]
+"""
+
+
+@pytest.mark.parametrize("entry", ["expq.launch:main", "expq.cli:console"])
+def test_a_signal_while_the_script_starts(entry):
+    """The console script's entry point (``expq.launch:main``, what pyproject.toml installs) handles SIGTERM from
+    its first line: one line and 143. The negative control, entering at ``expq.cli:console`` as the script did
+    before, dies silently (-15): the command line's own handlers come only once its modules are imported."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    installed = importlib.metadata.entry_points(group="console_scripts", name="expq")
+    assert [e.value for e in installed] == ["expq.launch:main"]
+    module, _, fn = entry.partition(":")
+    code = SIGNAL_ON_IMPORT.format(sig=int(signal.SIGTERM)) + f"import {module}\n{module}.{fn}()\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if entry == "expq.launch:main":
+        assert r.returncode == 128 + signal.SIGTERM, r.stderr
+        assert r.stderr.strip() == "error: interrupted by SIGTERM while expq was starting: nothing was done; re-run " \
+                                   "the same command", r.stderr
+    else:
+        assert r.returncode == -signal.SIGTERM and r.stderr == "", (r.returncode, r.stderr)

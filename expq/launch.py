@@ -1,0 +1,28 @@
+"""The ``expq`` console script's entry point: signals are handled from its first line.
+
+Importing the command line (``expq.cli``: typer, rich, click) takes a moment during which Python's default
+handling would apply (a traceback for SIGINT, a silent death for SIGTERM and SIGHUP). ``main`` first makes those
+signals end the process with one line and 128 + the signal (``interrupts.end_on_signals``), then imports the
+command line and runs ``cli.console``, which takes the signals over (``interrupts.raise_on_signals``).
+``python -m expq.cli`` does the same from the first line of ``expq/cli.py``.
+"""
+
+from __future__ import annotations
+
+STARTING = "error: interrupted by {signal} while expq was starting: nothing was done; re-run the same command"
+
+
+def guard_start() -> None:
+    """Until the command line takes over: SIGINT, SIGTERM and SIGHUP end the process at once with ``STARTING``
+    (``{signal}``: its name) on stderr and 128 + the signal."""
+    from .interrupts import end_on_signals
+
+    end_on_signals(line=STARTING)
+
+
+def main() -> None:
+    """The ``expq`` console script: ``guard_start``, then ``cli.console``."""
+    guard_start()
+    from .cli import console
+
+    console()
