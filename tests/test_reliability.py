@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from helpers import reference_conversions, start_cli, tree_digest
@@ -259,12 +260,12 @@ def test_a_signal_while_the_script_starts(entry):
     """The console script's entry point (``expq.launch:main``, what pyproject.toml installs) handles SIGTERM from
     its first line: one line and 143. The negative control, entering at ``expq.cli:console`` as the script did
     before, dies silently (-15): the command line's own handlers come only once its modules are imported."""
-    import importlib.metadata
     import subprocess
     import sys
+    import tomllib
 
-    installed = importlib.metadata.entry_points(group="console_scripts", name="expq")
-    assert [e.value for e in installed] == ["expq.launch:main"]
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"expq": "expq.launch:main"}
     module, _, fn = entry.partition(":")
     code = SIGNAL_ON_IMPORT.format(sig=int(signal.SIGTERM)) + f"import {module}\n{module}.{fn}()\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
