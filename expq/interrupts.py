@@ -25,6 +25,12 @@ from .errors import Interrupted
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _handled() -> tuple[int, ...]:
+    """``SIGNALS`` less those ignored now (``SIG_IGN``: ``nohup``, a script's ``trap '' INT``, a shell's background
+    job): expq leaves an ignored signal ignored, as Python itself does for one inherited ignored."""
+    return tuple(s for s in SIGNALS if signal.getsignal(s) != signal.SIG_IGN)
+
+
 class StopSignal(threading.Event):
     """An event that also says which signal set it (``signum``; SIGINT until a signal arrives)."""
 
@@ -70,7 +76,7 @@ def raise_on_signals() -> None:
     stays set once a signal came (the process is ending: later signals are absorbed). Main thread only."""
     global _raising
     _raising = True
-    for s in SIGNALS:
+    for s in _handled():
         signal.signal(s, _on_signal)
 
 
@@ -108,7 +114,7 @@ def end_on_signals(*, status: int | None = None, line: str | None = None) -> Non
                 os.write(2, (line.format(signal=signal.Signals(signum).name) + "\n").encode())
         os._exit(128 + signum if status is None else status)
 
-    for s in SIGNALS:
+    for s in _handled():
         signal.signal(s, end)
 
 
@@ -133,7 +139,7 @@ def stop_on_signals() -> Iterator[StopSignal]:
         return
     if _raising and STOP.is_set():  # recorded outside a run and not acted on (its KeyboardInterrupt was swallowed)
         raise STOP.interrupted()
-    old = {s: signal.signal(s, _on_signal) for s in SIGNALS}
+    old = {s: signal.signal(s, _on_signal) for s in _handled()}
     STOP.reset()  # before watching: a signal between the two is raised, never cleared unseen
     _watched = True
     try:

@@ -275,3 +275,20 @@ def test_a_signal_while_the_script_starts(entry):
                                    "the same command", r.stderr
     else:
         assert r.returncode == -signal.SIGTERM and r.stderr == "", (r.returncode, r.stderr)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_an_ignored_signal_stays_ignored(sig, reference, tmp_path):
+    """``nohup expq convert`` (SIGHUP ignored), or a script's background job (SIGINT ignored): the process was
+    started ignoring the signal, so the signal, sent in the middle of the run, changes nothing: exit 0 and the
+    complete new checkpoint (the signal's own handling, without the ignore: ``test_a_signal_outside_the_run...``
+    and ``test_signals_stop_cleanly_and_resume``)."""
+    src, new, _, _ = reference
+    out = tmp_path / "out"
+    ignore = f"import signal\nsignal.signal({int(sig)}, signal.SIG_IGN)\n"
+    p = start_cli("convert", src, out, "--device", "cpu",
+                  prelude=ignore + SIGNAL_AT + f"signal_at('expq.output.faults:Faults', 'hit', {int(sig)}, 'write')")
+    text, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, text
+    assert "interrupted" not in text
+    assert tree_digest(out) == new
