@@ -14,7 +14,7 @@ from .conversion import (BackgroundIdentity, ConvertReport, check_unchanged, com
                          source_stamps, write_side_files)
 from .devices import parse_devices, warm_up
 from .errors import UsageError, resumable
-from .interrupts import interrupted_outside_run, stop_on_signals
+from .interrupts import committed_now, conversion_committed, interrupted_outside_run, stop_on_signals
 from .layouts import Layout
 from .options import DEFAULT_MAX_SHARD, check_convert, check_inspect
 from .pipeline import run_plan
@@ -119,6 +119,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                   ray=ray, to_hub=to_hub)
     if to_hub is None:
         check_out_location(out)  # a link or a mount point: refused before anything is read
+    conversion_committed(False)
     if ray is not None:
         return cluster.convert_on_ray(src, out, ray, to_hub=to_hub, private=private, format=format, dtype=dtype,
                                       device=device, revision=revision, max_shard_size=max_shard_size,
@@ -161,6 +162,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                     if stop.is_set():  # a signal after the run's last look: not committed
                         raise stop.interrupted()
                     outdir.commit()
+                    conversion_committed(True)
                 shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
             except BaseException as e:
                 if identity is not None:
@@ -171,7 +173,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                 raise
         return make_report(plan, outdir, man, devices, time.perf_counter() - t0, stream_peak_bytes=_peak(feeder))
     except KeyboardInterrupt as e:  # a signal outside the run (cli: ``interrupts.raise_on_signals``)
-        raise interrupted_outside_run(e, committed=outdir is not None and outdir.committed) from None
+        raise interrupted_outside_run(e, committed=committed_now()) from None
 
 
 def _up_to_date(outdir: OutputDir) -> bool:

@@ -38,7 +38,8 @@ from typer.core import TyperArgument, TyperCommand
 from . import options
 from .options import format_size
 from .errors import ExpqError, cli_options, visible
-from .interrupts import STOP, as_interrupted, end_on_signals, interrupted_outside_run, raise_on_signals
+from .interrupts import (STOP, as_interrupted, committed_now, end_on_signals, interrupted_outside_run,
+                         raise_on_signals)
 from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
@@ -211,8 +212,8 @@ def convert(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Convert SRC to OUT: routed experts to experts_int8 int8 codes + scales, everything else byte for byte."""
-    report = None  # once set, OUT is committed: a signal then says so (``interrupts.interrupted_outside_run``)
-    with errors_to_exit_codes(lambda e: interrupted_outside_run(e, committed=report is not None)):
+    # a signal that no handler of the API saw (before it started, or as it returned) says what OUT holds
+    with errors_to_exit_codes(lambda e: interrupted_outside_run(e, committed=committed_now())):
         # usage errors first: before torch is imported and the source opened
         options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
                               stream=stream, ray=ray, to_hub=to_hub)
@@ -544,7 +545,10 @@ def main() -> None:
 
 def _between_steps(e: BaseException):
     """A signal no command's own handler saw (typer parsing the command line, or a command returning): re-running
-    the same command is always right (a conversion resumes, or finds OUT up to date)."""
+    the same command is always right (a conversion resumes, or finds OUT up to date); after a conversion's commit
+    the line says that OUT is complete."""
+    if committed_now():
+        return interrupted_outside_run(e, committed=True)
     stop = as_interrupted(e)
     return as_interrupted(e, f"interrupted by {signal.Signals(stop.signum).name}; re-run the same command")
 
@@ -567,13 +571,7 @@ def console() -> None:
             os.fstat(fd)
         except OSError:
             os.open(os.devnull, os.O_RDWR)
-    try:
-        main()
-        code = 0
-    except SystemExit as ex:
-        code = ex.code
-    if isinstance(code, int) and not isinstance(code, bool):
-        end_on_signals(status=code)
+    code = _run_main()
     try:
         if sys.stdout is not None:  # None: the process was started with descriptor 1 closed
             sys.stdout.flush()
@@ -585,6 +583,30 @@ def console() -> None:
     if not _may_end_at_once(code):
         sys.exit(code)
     os._exit(code or 0)
+
+
+def _run_main():
+    """``main``'s exit status. Once it is known the outcome is decided: a signal then ends the process at once
+    with it (``end_on_signals``). A signal that escaped every handler of the command (as ``main`` returned) is its
+    one line and 128 + the signal, the line saying what a conversion's OUT holds."""
+    code = None
+    try:
+        try:
+            main()
+            code = 0
+        except SystemExit as ex:
+            code = ex.code
+        if isinstance(code, int) and not isinstance(code, bool):
+            end_on_signals(status=code)
+    except KeyboardInterrupt as e:
+        if code is not None:  # the command's outcome was decided before the signal: it stands
+            end_on_signals(status=code if isinstance(code, int) else None)
+            return code
+        stop = _between_steps(e)
+        end_on_signals(status=stop.exit_code)
+        _say(Text(f"error: {stop}", style="bold red"), stderr=True)
+        return stop.exit_code
+    return code
 
 
 def _may_end_at_once(code) -> bool:

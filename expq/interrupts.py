@@ -91,6 +91,22 @@ def as_interrupted(e: BaseException, message: str | None = None) -> Interrupted 
     return None
 
 
+_committed = False  # the last conversion of this process committed its OUT (``conversion_committed``)
+
+
+def conversion_committed(done: bool) -> None:
+    """Record whether this process's conversion has committed OUT: False when one starts, True right after its
+    commit (called while the run still watches ``STOP``, so that no signal falls between the commit and this record).
+    ``committed_now`` tells a handler that runs later which line is true."""
+    global _committed
+    _committed = done
+
+
+def committed_now() -> bool:
+    """Whether this process's last conversion committed OUT (``conversion_committed``)."""
+    return _committed
+
+
 def interrupted_outside_run(e: BaseException, *, committed: bool) -> Interrupted:
     """The ``Interrupted`` of a signal (``e``: see ``as_interrupted``) that came while no run was writing a
     conversion: before anything was written (starting, opening the source, planning, hashing it, taking OUT), or,

@@ -292,3 +292,32 @@ def test_an_ignored_signal_stays_ignored(sig, reference, tmp_path):
     assert p.returncode == 0, text
     assert "interrupted" not in text
     assert tree_digest(out) == new
+
+
+SIGNAL_AS_CONVERT_RETURNS = """
+import os, signal, expq.api
+real = expq.api.convert
+def convert(*a, **k):
+    report = real(*a, **k)
+    os.kill(os.getpid(), {sig})  # raised here: after the API's own handlers, before the command line holds the report
+    return report
+expq.api.convert = convert
+"""
+
+
+def test_a_signal_as_the_conversion_returns_says_out_is_complete(reference, tmp_path):
+    """A signal between the API's return and the command line's next step (no handler of the API sees it): the line
+    says what is true, that OUT holds the complete new checkpoint (it said "before anything was written: OUT is
+    unchanged", found by a hostile-user pass), and 128 + the signal."""
+    src, new, _, _ = reference
+    out = tmp_path / "out"
+    p = start_cli("convert", src, out, "--device", "cpu",
+                  prelude=SIGNAL_AS_CONVERT_RETURNS.format(sig=int(signal.SIGTERM)))
+    text, _ = p.communicate(timeout=180)
+    assert p.returncode == 128 + signal.SIGTERM, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: interrupted by SIGTERM after the commit: OUT holds the complete new checkpoint; "
+                      "nothing to resume"], text
+    assert "Traceback" not in text
+    assert tree_digest(out) == new
+    assert leftovers(tmp_path) == []
