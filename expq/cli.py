@@ -15,7 +15,7 @@ generated text never go through rich when piped.
 from __future__ import annotations
 
 if __name__ == "__main__":  # ``python -m expq.cli``: from its first line (``console`` takes over once imported)
-    from expq.launch import guard_start
+    from expq.interrupts import guard_start
 
     guard_start()
 

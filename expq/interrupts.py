@@ -120,6 +120,17 @@ def interrupted_outside_run(e: BaseException, *, committed: bool) -> Interrupted
                                     "the same command to start")
 
 
+STARTING = "error: interrupted by {signal} while expq was starting: nothing was done; re-run the same command"
+"""The line of a signal before the command line has taken the signals over (``guard_start``)."""
+
+
+def guard_start() -> None:
+    """The command line's first step (``launch.main``, ``python -m expq.cli``): until it takes the signals over
+    (``raise_on_signals``), SIGINT, SIGTERM and SIGHUP end the process at once with ``STARTING`` (``{signal}``: its
+    name) on stderr and 128 + the signal."""
+    end_on_signals(line=STARTING)
+
+
 def end_on_signals(*, status: int | None = None, line: str | None = None) -> None:
     """From now on SIGINT, SIGTERM and SIGHUP end the process at once (``os._exit``), with ``status`` (None:
     128 + the signal), after writing ``line`` (``{signal}``: its name) on stderr: for a command line process

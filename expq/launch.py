@@ -9,19 +9,11 @@ command line and runs ``cli.console``, which takes the signals over (``interrupt
 
 from __future__ import annotations
 
-STARTING = "error: interrupted by {signal} while expq was starting: nothing was done; re-run the same command"
-
-
-def guard_start() -> None:
-    """Until the command line takes over: SIGINT, SIGTERM and SIGHUP end the process at once with ``STARTING``
-    (``{signal}``: its name) on stderr and 128 + the signal."""
-    from .interrupts import end_on_signals
-
-    end_on_signals(line=STARTING)
-
 
 def main() -> None:
-    """The ``expq`` console script: ``guard_start``, then ``cli.console``."""
+    """The ``expq`` console script: ``interrupts.guard_start``, then ``cli.console``."""
+    from .interrupts import guard_start
+
     guard_start()
     from .cli import console
 
