@@ -100,6 +100,19 @@ def _stdout_failed(e: BaseException) -> None:
     _warn([f"cannot write to <stdout>: {reason}; the output was lost, the work itself was done"])
 
 
+def _to_stdout(write, *args) -> None:
+    """``write(*args)``: a command's printing of its result on stdout. stdout that cannot be written (closed from
+    the start, a broken pipe, a full disk) is ``_stdout_failed``'s one line, never an error of the command, whose
+    work and exit status stand."""
+    try:
+        if sys.stdout is None:  # started with descriptor 1 closed: print() would drop everything silently
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        write(*args)
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:
+        _stdout_failed(e)
+
+
 def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
            no_wrap: Sequence[str] = (), **table_kw) -> None:
     """Print a table on stdout. On a terminal a rich ``Table`` whose every cell is a literal ``Text``; otherwise
@@ -229,19 +242,14 @@ def convert(
                                  allow_random_experts_in_transformers=allow_random_experts_in_transformers,
                                  on_plan=bar.on_plan, on_progress=bar.on_progress)
         _warn(report.warnings)
-        try:
-            _print_convert(report, as_json)
-        except (OSError, ValueError) as e:  # the conversion is committed whatever happens to its summary
-            _stdout_failed(e)
+        _to_stdout(_print_convert, report, as_json)  # OUT is committed whatever happens to its summary
 
 
 def _print_convert(report, as_json: bool) -> None:
     """convert's result on stdout: the report as one JSON object, or its table (underflow examples on stderr).
 
     Raises:
-        OSError: stdout cannot be written (EBADF where the process was started with it closed)."""
-    if sys.stdout is None:
-        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        OSError: stdout cannot be written."""
     if as_json:
         print(json.dumps(report.to_dict()), flush=True)
         return
@@ -351,6 +359,14 @@ def inspect(
     s = plan.summary()
     if tensors:
         s["tensors"] = plan.tensor_table()
+    _to_stdout(_print_inspect, s, as_json, tensors)
+
+
+def _print_inspect(s: dict, as_json: bool, tensors: bool) -> None:
+    """inspect's result on stdout: the plan's summary as one JSON object, or its tables (warnings on stderr).
+
+    Raises:
+        OSError: stdout cannot be written."""
     if as_json:
         print(json.dumps(s))
         return
@@ -414,10 +430,8 @@ def verify(
     quiet_hub_bars()
     with errors_to_exit_codes():
         report = api_verify(out_dir, source=source, device=device, tokens=tokens, revision=revision, token=token)
-    if as_json:
-        print(json.dumps(report.to_dict()))
-    else:
-        _print_verify(report)
+    # the verdict is the exit status, whatever happens to the report
+    _to_stdout(lambda: print(json.dumps(report.to_dict())) if as_json else _print_verify(report))
     raise typer.Exit(report.exit_code)
 
 

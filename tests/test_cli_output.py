@@ -290,3 +290,29 @@ def test_output_that_cannot_be_written_never_undoes_a_conversion(case, tmp_path_
         reason = "[Errno 32] Broken pipe" if case == "broken pipe" else "[Errno 28] No space left on device"
         assert [ln for ln in lines(err) if "WARNING" in ln or "error" in ln] == [
             f"WARNING: cannot write to <stdout>: {reason}; the output was lost, the work itself was done"], err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("case", ["stdout full", "stdout closed"])
+def test_inspect_and_verify_keep_their_status_when_stdout_fails(command, case, tmp_path_factory, tmp_path):
+    """inspect's and verify's report lost (a full disk; stdout closed from the start, where print() would drop it
+    silently): one WARNING line naming <stdout>, and the command's own status (verify: 0, every check passed), not
+    'error: OSError' and 1, which says a check failed (found by a hostile-user pass)."""
+    import shlex
+
+    import expq
+
+    src = example(tmp_path_factory, "mixtral")
+    if command == "inspect":
+        args = ["inspect", src]
+    else:
+        expq.convert(src, tmp_path / "out", device="cpu")
+        args = ["verify", tmp_path / "out", "--device", "cpu", "--tokens", "4"]
+    redirect = ">/dev/full" if case == "stdout full" else ">&-"
+    cmd = " ".join(shlex.quote(str(a)) for a in [sys.executable, "-m", "expq.cli", *args]) + " " + redirect
+    env = {k: v for k, v in os.environ.items() if k != "EXPQ_DEBUG"}
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    reason = "[Errno 28] No space left on device" if case == "stdout full" else "[Errno 9] Bad file descriptor"
+    assert [ln for ln in lines(r.stderr) if "WARNING" in ln or "error" in ln] == [
+        f"WARNING: cannot write to <stdout>: {reason}; the output was lost, the work itself was done"], r.stderr
