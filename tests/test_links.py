@@ -168,6 +168,22 @@ def test_out_that_is_a_symlink_is_refused_naming_its_target(existing, reference,
 
 
 
+def test_an_out_name_too_long_for_the_files_beside_it_is_a_usage_error(reference, tmp_path):
+    """OUT's name fits the filesystem but ``.<OUT>.expq-journal.json.tmp`` does not: one usage line saying the
+    longest OUT name that works (it was 'the journal of an earlier conversion is unreadable' of a journal that
+    does not exist; found by a hostile-user pass); a name of exactly that length converts."""
+    src, _ = reference
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    room = limit - len(".expq-journal.json.tmp") - 1
+    code, text = cli("convert", src, tmp_path / ("b" * (room + 1)), "--device", "cpu")
+    assert code == 2 and error_lines(text) == [
+        f"error: file {tmp_path / ('b' * (room + 1))}: OUT's name is {room + 1} bytes: the files expq keeps beside OUT "
+        f"while it works (.<OUT>.expq-journal.json.tmp and others) would exceed this filesystem's {limit}-byte "
+        f"limit on a name (give OUT a name of at most {room} bytes)"], text
+    assert list(tmp_path.iterdir()) == []
+    expq.convert(src, tmp_path / ("b" * room), device="cpu", max_shard_size=SHARD)
+    assert (tmp_path / ("b" * room) / "expq.json").is_file()
+
 @pytest.fixture
 def hub_repo(hub_server, tmp_path, tmp_path_factory):
     """A tiny Mixtral in six shards on the test Hub (tests/hub_server.py)."""

@@ -101,6 +101,13 @@ def check_out_location(out: str | Path) -> None:
         UsageError: naming OUT and saying what to give instead.
     """
     p = Path(out).expanduser().absolute()
+    longest = f".{p.name}{JOURNAL}.tmp"  # the longest name expq gives a file beside OUT
+    limit = _name_max(p.parent)
+    if len(os.fsencode(longest)) > limit:
+        room = limit - len(os.fsencode(longest)) + len(os.fsencode(p.name))
+        raise UsageError(f"OUT's name is {len(os.fsencode(p.name))} bytes: the files expq keeps beside OUT while it "
+                         f"works (.<OUT>{JOURNAL}.tmp and others) would exceed this filesystem's {limit}-byte limit "
+                         "on a name", file=str(out), hint=f"give OUT a name of at most {max(room, 1)} bytes")
     if os.path.islink(p):
         raise UsageError(f"OUT is a symbolic link (to {os.readlink(p)}); expq replaces OUT by renaming a folder onto "
                          "it, which would replace the link", file=str(out),
@@ -109,6 +116,17 @@ def check_out_location(out: str | Path) -> None:
         raise UsageError("OUT is a mount point (another filesystem than its parent's); expq builds the new checkpoint "
                          "beside OUT and renames it into place, which cannot cross filesystems", file=str(out),
                          hint=f"convert into a folder inside it, e.g. {p / 'model'}")
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) the filesystem of ``folder`` (or of its nearest existing ancestor) takes; 255
+    where the OS cannot say."""
+    for d in (folder, *folder.parents):
+        try:
+            return os.pathconf(d, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
 
 
 class OutputDir:
