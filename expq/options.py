@@ -69,8 +69,15 @@ def is_repo_id(s: str) -> bool:
 
 
 def check_source(src) -> None:
-    """A SRC is an existing path or has the form of a Hub repo id (``source.resolve_source`` says the same)."""
-    if not Path(src).expanduser().exists() and not is_repo_id(str(src)):
+    """A SRC is an existing directory or has the form of a Hub repo id (``source.resolve_source`` says the same);
+    an empty one is refused (a path library reads it as the current folder)."""
+    if str(src) == "":
+        raise UsageError("SRC is empty: give a checkpoint directory or a Hub repo id")
+    p = Path(src).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UsageError("not a directory (a checkpoint is a folder holding config.json and the weights)",
+                         file=str(src))
+    if not p.exists() and not is_repo_id(str(src)):
         raise UsageError("no such directory, and not a Hub repo id", file=str(src))
 
 
@@ -136,6 +143,8 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
         raise UsageError("give OUT or --to-hub, not both")
     if to_hub is None and out is None:
         raise UsageError("missing OUT (or --to-hub REPO with --ray)")
+    if out is not None and str(out) == "":
+        raise UsageError("OUT is empty: give the output directory")
     if to_hub is not None:
         check_repo_id(to_hub, "--to-hub")
     local = Path(src).expanduser()

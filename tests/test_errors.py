@@ -285,6 +285,22 @@ def test_a_changed_source_file_is_named_when_the_settings_differ(tmp_path, tmp_p
     assert f"source.files: {shard.name} differs (size or content)" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("src", ["a file", "/dev/null", ""])
+def test_a_src_that_is_neither_a_folder_nor_a_repo_id_is_a_usage_error(src, tmp_path):
+    """README's exit statuses: a SRC that is neither a directory nor a repo id is 2 (a file was 'not a directory'
+    and 1; an empty SRC was read as the current folder; found by a hostile-user pass)."""
+    if src == "a file":
+        src = tmp_path / "afile"
+        src.write_text("{}")
+    with pytest.raises(UsageError) as e:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert e.value.exit_code == 2
+    assert str(e.value) == ("SRC is empty: give a checkpoint directory or a Hub repo id" if src == "" else
+                            f"file {src}: not a directory (a checkpoint is a folder holding config.json and the "
+                            "weights)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_out_whose_parent_cannot_hold_expq_files_is_one_line(tmp_path, tmp_path_factory):
     (tmp_path / "afile").write_text("not a directory")
     out = tmp_path / "afile" / "out"
