@@ -21,6 +21,17 @@ if "EXPQ_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["EXPQ_CACHE_DIR"], ignore_errors=True)
 
 
+# The default dispositions of SIGINT, SIGTERM and SIGHUP, for this process and every expq process a test starts:
+# the suite tests how expq handles them, and an ignore inherited from the runner (nohup, a shell's background job)
+# would pass on to those processes, which then rightly leave the signal ignored (expq.interrupts).
+import signal  # noqa: E402
+
+for _sig, _default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                       (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _default)
+
+
 # Tests marked slow (a kill at every fsync, the CI recipe end to end, the kernel tuner end to end) run with
 # EXPQ_SLOW=1 only: `make test-slow` runs them, and CI runs it after `make test`.
 def pytest_collection_modifyitems(config, items):
