@@ -322,6 +322,10 @@ class ExpertMap:
         return re.compile(rf"^(?P<prefix>(?:.*\.)?){re.escape(lay.layers)}\.(?P<layer>\d+)\.{mod}\."
                           rf"(?P<proj>{names})$")
 
+    def _experts_key(self) -> str:
+        """The config key the routed-expert count came from (``config_keys``), as the user's config.json spells it."""
+        return self.config_keys.get("num_experts", "num_experts")
+
     def _add_per_expert_layer(self, L: int, entries: list[tuple[TensorLike, dict]]) -> None:
         lay, E = self.layout, self.num_experts
         by_name = {v: k for k, v in lay.proj_names.items()}
@@ -334,7 +338,7 @@ class ExpertMap:
             missing = sorted(set(range(E)) - set(experts))
             detail = f"experts {missing} missing" if missing else f"experts {extra} beyond the configured {E}"
             t = seen[extra[0]] if extra else None
-            raise LayoutError(f"layer {L}: {detail} (config num_experts = {E})",
+            raise LayoutError(f"layer {L}: {detail} (config.json {self._experts_key()} = {E})",
                               file=(next(iter(t.values())).file if t else "config.json"))
         for e in experts:
             for p in PROJECTIONS:
@@ -508,7 +512,7 @@ def _stacked_block(ti: TensorLike, flat: bool, E: int) -> tuple[int, int]:
                               file=ti.file, tensor=ti.name)
         return ti.shape[0] // E, ti.shape[1]
     if len(ti.shape) != 3 or ti.shape[0] != E:
-        raise LayoutError(f"expected [{E}, rows, cols] (stacked experts, config num_experts = {E}), "
+        raise LayoutError(f"expected [{E}, rows, cols] (stacked experts, {E} routed experts in config.json), "
                           f"got {list(ti.shape)}", file=ti.file, tensor=ti.name)
     return ti.shape[1], ti.shape[2]
 

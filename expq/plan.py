@@ -275,13 +275,16 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match.
         SourceError: expert tensors that are not float; routed experts the source decoder refuses
             (``Decoder.check_experts``: already int8 per channel).
-        UsageError: an unknown format, or a bad ``EXPQ_SLICE_BYTES``. ValueError: a bad ``dtype`` or
-            ``max_shard_size``.
+        UsageError: an unknown format, a bad ``EXPQ_SLICE_BYTES``, an unknown ``dtype`` or config dtype (naming
+            config.json). ValueError: a bad ``max_shard_size``.
     """
     lay, detected_by = resolve_layout(source.config, layout)
     experts = ExpertMap.from_source(lay, source.config, source.logical)
     source.decoder.check_experts(experts)
-    compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
+    try:
+        compute_dtype, dtype_reason = resolve_compute_dtype(config_dtype(source.config), dtype)
+    except ValueError as e:  # an unknown dtype: the config's (named), or an explicit one
+        raise UsageError(str(e), **({"file": "config.json"} if dtype == "auto" else {})) from None
     shard_limit, budget = parse_size(max_shard_size), slice_bytes()
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)

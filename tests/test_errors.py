@@ -99,10 +99,23 @@ def test_nonfinite_stacked_row_located(tmp_path, tmp_path_factory):
     assert_no_output(tmp_path / "out")
 
 
+def test_a_config_dtype_vllm_does_not_serve_names_config_json(tmp_path, tmp_path_factory):
+    """``torch_dtype: int8`` in config.json: one usage line naming config.json and what to pass (it named no file);
+    an explicit --dtype converts it."""
+    src = copy_src(tmp_path, tmp_path_factory, "mixtral")
+    edit_config(src, torch_dtype="int8")
+    with pytest.raises(UsageError) as e:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert str(e.value) == "file config.json: config dtype 'int8' is not a float type vLLM serves; pass --dtype " \
+                           "explicitly"
+    assert_no_output(tmp_path / "out")
+    expq.convert(src, tmp_path / "out", device="cpu", dtype="bfloat16")
+
+
 def test_expert_count_mismatch(tmp_path, tmp_path_factory):
     src = copy_src(tmp_path, tmp_path_factory, "qwen3_moe")
     edit_config(src, num_local_experts=8)
-    with pytest.raises(LayoutError, match=r"experts \[4, 5, 6, 7\] missing \(config num_experts = 8\)"):
+    with pytest.raises(LayoutError, match=r"experts \[4, 5, 6, 7\] missing \(config.json num_local_experts = 8\)"):
         expq.convert(src, tmp_path / "out", device="cpu")
     assert_no_output(tmp_path / "out")
 
