@@ -109,6 +109,9 @@ HEADER_CASES = {  # id: (file bytes, message after "file F" / "file F, tensor T"
                 ", tensor b: tensor data overlaps or leaves a gap (corrupt header)"),
     "gap": (blob({"a": entry(shape=(2,), offsets=(0, 2)), "b": entry(shape=(1,), offsets=(3, 4))}, b"abcd"),
             ", tensor b: tensor data overlaps or leaves a gap (corrupt header)"),
+    "offsets-past-the-end": (blob({"a": entry(offsets=(1000, 1004)), "b": entry()}, b"abcd"),
+                             ", tensor a: tensor data at bytes 1134-1138 lies past the end of the file (138 bytes; "
+                             "corrupt header)"),
     "trailing-bytes": (blob({"a": entry()}, b"abcdXYZ"),
                        ", tensor a: 3 bytes after the end of the last tensor's data (byte 72): the header does not "
                        "cover the file"),

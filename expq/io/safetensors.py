@@ -214,6 +214,10 @@ def parse_header(blob: bytes, size: int, rel: str, *, path: Path, where: str | N
     pos = base
     for ti in tensors:
         if ti.start != pos:
+            beyond = next((t for t in tensors if t.end > size), None)  # the entry that lies, where one points out
+            if beyond is not None:
+                raise SourceError(f"tensor data at bytes {beyond.start}-{beyond.end} lies past the end of the file "
+                                  f"({size} bytes; corrupt header)", file=where, tensor=printable_name(beyond.name))
             raise SourceError("tensor data overlaps or leaves a gap (corrupt header)", file=where,
                               tensor=printable_name(ti.name))
         pos = ti.end
