@@ -116,11 +116,12 @@ def _to_stdout(write, *args) -> None:
 def _table(title: str | None, columns: Sequence[str] | None, rows: Iterable[Sequence[Cell]], *,
            no_wrap: Sequence[str] = (), **table_kw) -> None:
     """Print a table on stdout. On a terminal a rich ``Table`` whose every cell is a literal ``Text``; otherwise
-    the title on its own line, then the header (if ``columns``) and each row as tab-separated cells, in full."""
+    the title on its own line, then the header (if ``columns``) and each row as tab-separated cells, in full (a
+    line break or tab in user text shown escaped: one line per row, one column per cell)."""
     rows = list(rows)
     if not is_tty(sys.stdout):
-        lines = ([visible(title)] if title else []) + (["\t".join(columns)] if columns else [])
-        lines += ["\t".join(_cell(c).plain for c in r) for r in rows]
+        lines = ([visible(title, one_line=True)] if title else []) + (["\t".join(columns)] if columns else [])
+        lines += ["\t".join(visible(_cell(c).plain, one_line=True) for c in r) for r in rows]
         print("\n".join(lines), flush=True)
         return
     t = Table(show_header=bool(columns), title=Text(visible(title)) if title else None, title_justify="left",

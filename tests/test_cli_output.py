@@ -184,6 +184,18 @@ def test_control_characters_never_reach_the_terminal(odd, tmp_path):
     assert "\x1b" not in r.stdout + r.stderr
 
 
+def test_a_line_break_in_a_path_keeps_the_plain_table_one_line_per_row(odd, tmp_path):
+    """Piped, convert's summary is a title line and one tab-separated row per line: a newline or a tab in OUT's name
+    is shown escaped, so a reader of the table (``cut -f2``) sees the rows it expects (it split the title in two;
+    found by a hostile-user pass)."""
+    out = tmp_path / "o\nu\tt"
+    r = cli("convert", odd[0], out, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()
+    assert rows[0] == "expq convert -> " + str(out).replace("\n", "\\n").replace("\t", "\\t")
+    assert all(len(row.split("\t")) == 2 for row in rows[1:]), rows
+
+
 def test_hub_download_progress_follows_the_ci_rule(odd, hub_server, tmp_path):
     """Converting a Hub repo with stderr piped: huggingface_hub's tqdm bars are off (they are on by default), expq's
     own lines stay, at the default interval only the final one for a sub-second run."""
