@@ -38,8 +38,8 @@ from typer.core import TyperArgument, TyperCommand
 from . import options
 from .options import format_size
 from .errors import ExpqError, cli_options, visible
-from .interrupts import (STOP, as_interrupted, committed_now, end_on_signals, interrupted_outside_run,
-                         raise_on_signals)
+from .interrupts import (STOP, as_interrupted, committed_now, end_on_signals, ending_at_once,
+                         interrupted_outside_run, raise_on_signals)
 from .formats import AUTO, FORMATS
 from .progress import ProgressLines, interactive, interval, is_tty, quiet_hub_bars
 
@@ -232,7 +232,8 @@ def convert(
         options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
                               stream=stream, ray=ray, to_hub=to_hub)
         interval()
-        from .api import convert as api_convert
+        with ending_at_once():  # nothing written yet; a signal inside torch's start-up must not raise there
+            from .api import convert as api_convert
 
         quiet_hub_bars()
         with _ConvertProgress(enabled=not as_json) as bar:
@@ -351,7 +352,8 @@ def inspect(
     """Show what convert would do, without writing anything."""
     with errors_to_exit_codes():
         options.check_inspect(src, format=format, dtype=dtype, max_shard_size=max_shard_size)
-    from .api import inspect as api_inspect
+    with ending_at_once():
+        from .api import inspect as api_inspect
 
     quiet_hub_bars()
     with errors_to_exit_codes():
@@ -426,7 +428,8 @@ def verify(
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
     with errors_to_exit_codes():
         options.check_verify(device=device, tokens=tokens)
-    from .verifier import verify as api_verify
+    with ending_at_once():
+        from .verifier import verify as api_verify
 
     quiet_hub_bars()
     with errors_to_exit_codes():
@@ -476,7 +479,8 @@ def run(
     """Smoke-test a converted model: load it with int8 experts (expq.load_model) and generate greedily."""
     with errors_to_exit_codes():
         options.check_run(device=device, max_new_tokens=max_new_tokens, prompt=prompt)
-    from .runtime import generate
+    with ending_at_once():
+        from .runtime import generate
 
     quiet_hub_bars()
     with errors_to_exit_codes():
@@ -520,8 +524,9 @@ def push(
     """Publish a converted checkpoint to the Hub with a model card (verify first; resumable; checked after)."""
     with errors_to_exit_codes():
         options.check_repo_id(repo_id)
-    from .hub.push import push as api_push
-    from .hub.push import report_json
+    with ending_at_once():
+        from .hub.push import push as api_push
+        from .hub.push import report_json
 
     quiet_hub_bars()
     with errors_to_exit_codes():

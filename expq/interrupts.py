@@ -131,6 +131,25 @@ def guard_start() -> None:
     end_on_signals(line=STARTING)
 
 
+@contextlib.contextmanager
+def ending_at_once(line: str = STARTING) -> Iterator[None]:
+    """For the length of a step that writes nothing (the command line importing torch and the API): SIGINT,
+    SIGTERM and SIGHUP end the process at once with ``line`` and 128 + the signal (``end_on_signals``), then the
+    handlers before come back. A ``KeyboardInterrupt`` raised into torch's C++ start-up (pybind11) aborts the
+    process (``std::terminate``, a core dump) instead of reaching expq's handler. Outside the main thread, nothing
+    (no handler can be installed there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in _handled()}
+    end_on_signals(line=line)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def end_on_signals(*, status: int | None = None, line: str | None = None) -> None:
     """From now on SIGINT, SIGTERM and SIGHUP end the process at once (``os._exit``), with ``status`` (None:
     128 + the signal), after writing ``line`` (``{signal}``: its name) on stderr: for a command line process

@@ -321,3 +321,19 @@ def test_a_signal_as_the_conversion_returns_says_out_is_complete(reference, tmp_
     assert "Traceback" not in text
     assert tree_digest(out) == new
     assert leftovers(tmp_path) == []
+
+
+def test_a_signal_while_torch_is_imported_ends_at_once(reference, tmp_path):
+    """A signal while convert imports torch and the API (nothing written yet) ends the process at once with the
+    starting line and 128 + the signal: a KeyboardInterrupt raised there can land inside torch's C++ start-up and
+    abort the process (seen once in ~300 signalled runs by a hostile-user pass: std::terminate, a core dump)."""
+    src, _, _, _ = reference
+    out = tmp_path / "out"
+    finder = SIGNAL_ON_IMPORT.replace('name == "typer"', 'name == "torch"').replace(
+        'sys.argv = ["expq", "--version"]\n', "").format(sig=int(signal.SIGTERM))
+    p = start_cli("convert", src, out, "--device", "cpu", prelude=finder)
+    text, _ = p.communicate(timeout=180)
+    assert p.returncode == 128 + signal.SIGTERM, text
+    assert text.strip() == "error: interrupted by SIGTERM while expq was starting: nothing was done; re-run the " \
+                           "same command", text
+    assert not out.exists() and leftovers(tmp_path) == []
