@@ -166,7 +166,8 @@ def _typer_interrupt(e: BaseException | None) -> KeyboardInterrupt | None:
 
 
 def _fail(e: BaseException) -> None:
-    """``errors_to_exit_codes``'s line for ``e`` on stderr, and its exit status (``typer.Exit``)."""
+    """``errors_to_exit_codes``'s line for ``e`` on stderr (one line: a line break in user text shown escaped), and
+    its exit status (``typer.Exit``)."""
     if isinstance(e, ExpqError):
         line, code = f"error: {e}", e.exit_code
     elif isinstance(e, MemoryError):
@@ -174,14 +175,14 @@ def _fail(e: BaseException) -> None:
     else:
         msg = str(e).splitlines()[0] if str(e) else ""
         line, code = f"error: {type(e).__name__}: {msg} (EXPQ_DEBUG=1 shows the traceback)", 1
-    _say(Text(line, style="bold red"), stderr=True)
+    _say(Text(visible(line, one_line=True), style="bold red"), stderr=True, exact=True)  # one line, always
     raise typer.Exit(code) from None
 
 
 def _warn(warnings: Iterable[str]) -> None:
-    """Warnings a user must not miss: one bold line each on stderr."""
+    """Warnings a user must not miss: one bold line each on stderr (line breaks in user text shown escaped)."""
     for w in warnings:
-        _say(Text(f"WARNING: {w}", style="bold red"), stderr=True)
+        _say(Text(visible(f"WARNING: {w}", one_line=True), style="bold red"), stderr=True, exact=True)
 
 
 @command()

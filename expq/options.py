@@ -8,6 +8,7 @@ have).
 from __future__ import annotations
 
 import os
+import errno
 import re
 from pathlib import Path
 
@@ -74,6 +75,13 @@ def check_source(src) -> None:
     if str(src) == "":
         raise UsageError("SRC is empty: give a checkpoint directory or a Hub repo id")
     p = Path(src).expanduser()
+    try:
+        p.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a loop of links, a component that is a file...
+        if e.errno != errno.ENOTDIR:
+            raise UsageError(f"cannot open: {e.strerror}", file=str(src)) from None
     if p.exists() and not p.is_dir():
         raise UsageError("not a directory (a checkpoint is a folder holding config.json and the weights)",
                          file=str(src))

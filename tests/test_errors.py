@@ -314,6 +314,15 @@ def test_a_src_that_is_neither_a_folder_nor_a_repo_id_is_a_usage_error(src, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_src_name_the_filesystem_cannot_take_is_a_usage_error(tmp_path):
+    """A SRC whose name is longer than the filesystem allows: one usage line with the OS's reason (it was
+    'error: OSError: [Errno 36] ...' and 1; found by a hostile-user pass)."""
+    src = tmp_path / ("s" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
+    with pytest.raises(UsageError) as e:
+        expq.convert(src, tmp_path / "out", device="cpu")
+    assert str(e.value) == f"file {src}: cannot open: File name too long" and e.value.exit_code == 2
+
+
 def test_out_whose_parent_cannot_hold_expq_files_is_one_line(tmp_path, tmp_path_factory):
     (tmp_path / "afile").write_text("not a directory")
     out = tmp_path / "afile" / "out"
