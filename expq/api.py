@@ -162,7 +162,6 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                     if stop.is_set():  # a signal after the run's last look: not committed
                         raise stop.interrupted()
                     outdir.commit()
-                    conversion_committed(True)
                 shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
             except BaseException as e:
                 if identity is not None:

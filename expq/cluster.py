@@ -46,7 +46,7 @@ from .hub.card import model_card
 from .hub.publish import prepare_repo, publish, upload_settings, upload_shards
 from .hub.push import hub_token as login_token
 from .hub.stream import StreamFeeder, streamed
-from .interrupts import StopSignal, conversion_committed, stop_on_signals
+from .interrupts import StopSignal, stop_on_signals
 from .manifest import Manifest
 from .pipeline import RunStats
 from .plan import JobKind, Plan
@@ -486,7 +486,6 @@ class _RayRun:
                                    self.settings, self.command)
             check_unchanged(plan.source, self.stamps)
             outdir.commit()
-            conversion_committed(True)
         except BaseException as e:
             keep_or_discard(e, outdir, self.finished, len(plan.shard_names))
             raise

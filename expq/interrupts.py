@@ -95,8 +95,9 @@ _committed = False  # the last conversion of this process committed its OUT (``c
 
 
 def conversion_committed(done: bool) -> None:
-    """Record whether this process's conversion has committed OUT: False when one starts, True right after its
-    commit (called while the run still watches ``STOP``, so that no signal falls between the commit and this record).
+    """Record whether this process's conversion has committed OUT: False when one starts (``api.convert``), True
+    right after its commit's rename (``OutputDir.commit``; a run still watches ``STOP`` then, so that no signal
+    falls between the commit and this record).
     ``committed_now`` tells a handler that runs later which line is true."""
     global _committed
     _committed = done

@@ -7,9 +7,10 @@ have).
 
 from __future__ import annotations
 
-import os
 import errno
+import os
 import re
+import stat
 from pathlib import Path
 
 from . import formats
@@ -74,18 +75,16 @@ def check_source(src) -> None:
     an empty one is refused (a path library reads it as the current folder)."""
     if str(src) == "":
         raise UsageError("SRC is empty: give a checkpoint directory or a Hub repo id")
-    p = Path(src).expanduser()
     try:
-        p.stat()
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a name too long, a loop of links, a component that is a file...
-        if e.errno != errno.ENOTDIR:
+        st = Path(src).expanduser().stat()
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # a name too long, a loop of links...
             raise UsageError(f"cannot open: {e.strerror}", file=str(src)) from None
-    if p.exists() and not p.is_dir():
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
         raise UsageError("not a directory (a checkpoint is a folder holding config.json and the weights)",
                          file=str(src))
-    if not p.exists() and not is_repo_id(str(src)):
+    if st is None and not is_repo_id(str(src)):
         raise UsageError("no such directory, and not a Hub repo id", file=str(src))
 
 

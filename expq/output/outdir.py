@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from ..errors import ExpqError, OutputError, UsageError
-from ..interrupts import STOP
+from ..interrupts import STOP, conversion_committed
 from ..io import files
 from ..io.hashing import sha256_file
 from ..manifest import MANIFEST, PUSH_WRITES, ManifestFile, OutFiles, files_against_manifest, manifest_intact
@@ -481,6 +481,7 @@ class OutputDir:
             raise OutputError(f"cannot move the finished conversion into place: {e.strerror or e}; re-run the same "
                               "command to finish", file=str(self.out)) from None
         self.committed = True
+        conversion_committed(True)  # what a signal's line says from now on (``interrupts.committed_now``)
         self._after_commit(self.staging if replace else None)
 
     def _after_commit(self, old: Path | None) -> None:
