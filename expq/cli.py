@@ -576,9 +576,9 @@ def _between_steps(e: BaseException):
 
 def console() -> None:
     """The command line (the ``expq`` console script, through ``launch.main``, and ``python -m expq.cli``): ``main``,
-    then, once its output is flushed, the process ends at once (``os._exit``) instead of tearing the interpreter down, which costs a conversion about a
-    second (measured on a 2-core CPU: 0.9 s after a small conversion; every module, torch's included, finalised
-    for a process that is about to end). Everything a command writes is committed before it returns. The normal
+    then, once its output is flushed, the process ends at once (``os._exit``) instead of tearing the interpreter
+    down, which costs a conversion about a second (measured on a 2-core CPU: 0.9 s after a small conversion; every
+    module, torch's included, finalised for a process that is about to end). Everything a command writes is committed before it returns. The normal
     exit is kept where something still runs or must be finalised: a thread that is not a daemon, Ray (its atexit
     hooks stop its workers), or an exit status that is not a number.
 
