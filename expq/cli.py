@@ -188,7 +188,7 @@ def _warn(warnings: Iterable[str]) -> None:
 @command()
 def convert(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Source checkpoint: a local directory or a Hub repo id.")],
-    out_dir: Annotated[Optional[Path], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
+    out_dir: Annotated[Optional[str], typer.Argument(metavar="OUT", help="Output directory (must not exist or "
                                                       "be empty); omitted with --to-hub.")] = None,
     format: Annotated[str, typer.Option("--format", help=f"Output format: {AUTO} (the family's default; inspect says "
                                         f"which and why), {' or '.join(FORMATS)}.")] = AUTO,
@@ -415,7 +415,7 @@ def _not_quantized_row(s: dict) -> tuple[str, str]:
 
 @command()
 def verify(
-    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
+    out_dir: Annotated[str, typer.Argument(metavar="OUT", help="Converted checkpoint directory.")],
     source: Annotated[Optional[str], typer.Option(help="Source checkpoint (directory or Hub repo id): adds the "
                                                        "bit-for-bit and byte-for-byte checks.")] = None,
     device: Annotated[str, typer.Option(help="Where the kernel check runs: auto, cpu, cuda, cuda:N.")] = "auto",
@@ -428,7 +428,7 @@ def verify(
     """Prove a converted checkpoint right: structure, bits against the source, and the int8 fused-MoE kernel.
     Exit 0 if every check passes, 1 if any fails, 2 on usage errors or unreadable input."""
     with errors_to_exit_codes():
-        options.check_verify(device=device, tokens=tokens)
+        options.check_verify(device=device, tokens=tokens, out=out_dir)
     with ending_at_once():
         from .verifier import verify as api_verify
 

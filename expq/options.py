@@ -70,17 +70,28 @@ def is_repo_id(s: str) -> bool:
     return bool(re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", s)) and not s.startswith((".", "/"))
 
 
+def local_stat(path, what: str) -> os.stat_result | None:
+    """``os.stat`` of a SRC or OUT the user gave, None where nothing is there (ENOENT, ENOTDIR).
+
+    Raises:
+        UsageError: ``path`` is empty (a path library reads it as the current folder), or the OS cannot look it up
+            (a name too long, a loop of links), naming it and the OS's reason.
+    """
+    if str(path) == "":
+        wanted = "a checkpoint directory or a Hub repo id" if what == "SRC" else "a directory"
+        raise UsageError(f"{what} is empty: give {wanted}")
+    try:
+        return Path(path).expanduser().stat()
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise UsageError(f"cannot open: {e.strerror}", file=str(path)) from None
+        return None
+
+
 def check_source(src) -> None:
     """A SRC is an existing directory or has the form of a Hub repo id (``source.resolve_source`` says the same);
-    an empty one is refused (a path library reads it as the current folder)."""
-    if str(src) == "":
-        raise UsageError("SRC is empty: give a checkpoint directory or a Hub repo id")
-    try:
-        st = Path(src).expanduser().stat()
-    except OSError as e:
-        if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # a name too long, a loop of links...
-            raise UsageError(f"cannot open: {e.strerror}", file=str(src)) from None
-        st = None
+    an empty one, or one the OS cannot look up, is refused (``local_stat``)."""
+    st = local_stat(src, "SRC")
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise UsageError("not a directory (a checkpoint is a folder holding config.json and the weights)",
                          file=str(src))
@@ -151,7 +162,7 @@ def check_convert(src, out, *, format: str, dtype: str, device: str, max_shard_s
     if to_hub is None and out is None:
         raise UsageError("missing OUT (or --to-hub REPO with --ray)")
     if out is not None and str(out) == "":
-        raise UsageError("OUT is empty: give the output directory")
+        local_stat(out, "OUT")  # refused: empty
     if to_hub is not None:
         check_repo_id(to_hub, "--to-hub")
     local = Path(src).expanduser()
@@ -180,8 +191,11 @@ def check_inspect(src, *, format: str, dtype: str, max_shard_size: str | int) ->
     check_size(max_shard_size)
 
 
-def check_verify(*, device: str, tokens: int) -> None:
-    """The options of ``verifier.verify`` whose value alone can be wrong."""
+def check_verify(*, device: str, tokens: int, out=None) -> None:
+    """The options of ``verifier.verify`` whose value alone can be wrong; ``out``: not empty, and a path the OS
+    can look up (``local_stat``)."""
+    if out is not None:
+        local_stat(out, "OUT")
     check_devices(device, several=False)
     check_at_least_one(tokens, "--tokens")
 

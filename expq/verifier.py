@@ -111,7 +111,7 @@ def verify(out: str | Path, source: str | Path | None = None, *, device: str = "
             source) cannot be read at all, or holds a link that leads out of it (named).
     """
     t0 = time.perf_counter()
-    check_verify(device=device, tokens=tokens)
+    check_verify(device=device, tokens=tokens, out=out)
     dev = parse_devices(device)[0]
     with reading(out):  # a conversion into OUT does not swap it while it is read
         ck = open_checkpoint(out)

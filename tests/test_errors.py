@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import example, tree_digest
+from helpers import run_cli as cli_process
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -321,6 +322,21 @@ def test_a_src_name_the_filesystem_cannot_take_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError) as e:
         expq.convert(src, tmp_path / "out", device="cpu")
     assert str(e.value) == f"file {src}: cannot open: File name too long" and e.value.exit_code == 2
+
+
+def test_an_empty_out_and_a_looping_one_are_usage_errors(tmp_path, tmp_path_factory):
+    """On the command line an empty OUT is refused, not read as the current folder (convert wrote the checkpoint
+    into it; verify checked it), and verify of an OUT the OS cannot look up (a loop of links) is one usage line,
+    exit 2 (it was 'error: RuntimeError: Symlink loop' and 1); found by hostile-user passes."""
+    src = example(tmp_path_factory, "mixtral")
+    for args in (["convert", src, ""], ["verify", ""]):
+        code, text = cli_process(*args, "--device", "cpu")
+        assert code == 2 and text.strip() == "error: OUT is empty: give a directory", text
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    code, text = cli_process("verify", tmp_path / "a", "--device", "cpu")
+    assert code == 2 and text.strip() == f"error: file {tmp_path / 'a'}: cannot open: Too many levels of symbolic " \
+                                         "links", text
 
 
 def test_out_whose_parent_cannot_hold_expq_files_is_one_line(tmp_path, tmp_path_factory):
