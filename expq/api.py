@@ -62,8 +62,10 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
     """Convert a MoE checkpoint: routed experts to experts_int8 codes and scales, everything else byte for byte.
 
     Steps: parse the devices; open the source (with ``stream``, its headers only); plan (every check before a byte
-    is written); take OUT (staging and lock); run the plan through the devices (with ``stream``, downloading the
-    shards as they are needed); write config, index, side files and ``expq.json``; commit.
+    is written, but for the check of the format against transformers' model class: on a cold cache that one runs
+    beside the conversion, ``plan.ModelCheck``, and stops it before the commit); take OUT (staging and lock); run
+    the plan through the devices (with ``stream``, downloading the shards as they are needed); wait for the
+    plan's check; write config, index, side files and ``expq.json``; commit.
 
     Args:
         src: a local checkpoint directory or a Hub repo id (``revision``, ``token``; the user's cache and login,
@@ -128,12 +130,13 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                       allow_random_experts=allow_random_experts_in_transformers, on_plan=on_plan,
                                       on_progress=on_progress, t0=t0)
     devices = parse_devices(device)
-    outdir = None
+    outdir = plan = None
     try:
         with warm_up(devices), _opened_source(src, out, stream=stream, revision=revision, token=token) as (source,
                                                                                                         feeder):
             plan = plan_conversion(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
-                                   allow_random_experts=allow_random_experts_in_transformers)
+                                   allow_random_experts=allow_random_experts_in_transformers,
+                                   background_checks=True)
             stamps = source_stamps(source)  # before hashing: a write while it hashes shows at the commit
             later = hash_in_background(source, out)
             settings = run_settings(plan, dtype=dtype, allow_nonfinite=allow_nonfinite, pending=later)
@@ -156,6 +159,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                                      done_jobs=outdir.done_jobs, stop=stop, feeder=feeder)
                     if identity is not None:
                         identity.wait(stop)
+                    plan.finish_checks(stop)
                     man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint,
                                            command_line(plan, dtype, allow_nonfinite, layout is not None))
                     check_unchanged(source, stamps)
@@ -173,6 +177,9 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
         return make_report(plan, outdir, man, devices, time.perf_counter() - t0, stream_peak_bytes=_peak(feeder))
     except KeyboardInterrupt as e:  # a signal outside the run (cli: ``interrupts.raise_on_signals``)
         raise interrupted_outside_run(e, committed=committed_now()) from None
+    finally:
+        if plan is not None:
+            plan.cancel_checks()  # a conversion that ended early leaves no check running
 
 
 def _up_to_date(outdir: OutputDir) -> bool:

@@ -83,16 +83,18 @@ class ConvertReport:
 
 
 def plan_conversion(source: Source, *, layout: str | Path | Layout | None, dtype: str, max_shard_size: str | int,
-                    format: str, allow_random_experts: bool) -> Plan:
+                    format: str, allow_random_experts: bool, background_checks: bool = False) -> Plan:
     """``plan.make_plan``, then the refusal of a format stock transformers would load with random experts
-    (``refuse_random_experts``).
+    (``refuse_random_experts``). ``background_checks``: as ``make_plan``'s (then ``Plan.finish_checks`` before the
+    commit).
 
     Raises:
         as ``make_plan`` (a bad ``dtype`` or ``max_shard_size`` as UsageError); UsageError: see
         ``refuse_random_experts``.
     """
     try:
-        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format)
+        plan = make_plan(source, layout=layout, dtype=dtype, max_shard_size=max_shard_size, format=format,
+                         background_checks=background_checks)
     except ValueError as e:
         raise UsageError(str(e)) from None
     refuse_random_experts(plan, allowed=allow_random_experts)

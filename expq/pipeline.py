@@ -188,7 +188,8 @@ class Run:
         self.taken = threading.Condition()
 
     def halted(self) -> bool:
-        return self.stop.is_set() or self.failed.is_set()
+        """The run stops: a signal, a stage failed, or a check the plan left running found a problem."""
+        return self.stop.is_set() or self.failed.is_set() or self.plan.checks_failed()
 
     def fail(self, e: BaseException) -> None:
         """A stage failed with ``e``: every pipeline stops. An error after the stop signal is its consequence (a
@@ -510,6 +511,7 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
         NonFiniteError: a routed-expert row holds NaN/inf (unless ``allow_nonfinite``).
         ExpqError: any source read or output write error; the first error stops every pipeline.
         Interrupted: ``stop`` was set.
+        LayoutError: a check the plan left running (``Plan.finish_checks``) found a problem; the pipelines stopped.
     """
     stats = RunStats(by_job=dict(done_jobs or {}))
     shards.on_close = lambda: dict(stats.by_job)  # what the journal records when a shard is finished
@@ -541,6 +543,8 @@ def run_plan(plan: Plan, shards: ShardSet, devices: list[torch.device], *, allow
         raise run.errors[0]
     if run.stop.is_set():
         raise run.stop.interrupted()
+    if plan.checks_failed():  # the pipelines stopped for it
+        plan.finish_checks()
     if not shards.complete():
         raise RuntimeError("internal: some output tensors were not written")
     return stats.finish()
@@ -572,7 +576,7 @@ def _run_pipelines(run: Run, pipes: list[_DevicePipeline], shards: ShardSet, fee
             p.start()
         for p in (*pipes, *([front] if front else [])):
             p.join()
-        if not run.errors and not run.stop.is_set():
+        if not run.halted():
             shards.wait_closed(run.stop)
             if on_progress:
                 on_progress(0, len(shards.closed))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from .decoders import LogicalTensor
 from .errors import LayoutError, SourceError, UsageError
+from .formats.stock_model import ChildProcesses, NotComputed, answered_at_once, in_child_process
 from .experts import ExpertMap, ExpertTensor, Matrix
 from .engines.clients import stock_transformers_misloads
 from .formats import AUTO, Format, get_format
@@ -127,6 +129,28 @@ class Plan:
     shard_names: list[str]
     shard_sizes: list[int]
     max_shard_size: int
+    model_check: ModelCheck | None = None  # the check against transformers' model class, when still running
+
+    def finish_checks(self, stop: threading.Event | None = None) -> None:
+        """Wait for the checks ``make_plan`` left running (``background_checks``), and raise what they found.
+
+        Raises:
+            LayoutError: as ``make_plan``'s check of the format against the model class. Whatever else the
+            check raised. Returns early (nothing raised) when ``stop`` is set: the caller's stop decides.
+        """
+        if self.model_check is not None:
+            self.model_check.wait(stop)
+
+    def cancel_checks(self) -> None:
+        """End the checks ``make_plan`` left running, if they still run (their verdict is no longer wanted): none
+        outlives the conversion."""
+        if self.model_check is not None:
+            self.model_check.cancel()
+
+    def checks_failed(self) -> bool:
+        """Whether a check ``make_plan`` left running has found a problem (``finish_checks`` raises it): the
+        pipelines stop for it (``pipeline.Run.halted``) rather than convert what cannot be committed."""
+        return self.model_check is not None and self.model_check.failed()
 
     @property
     def model_type(self) -> str | None:
@@ -257,7 +281,8 @@ class Plan:
 
 
 def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtype: str = "auto",
-              max_shard_size: str | int = DEFAULT_MAX_SHARD, format: str = DEFAULT_FORMAT) -> Plan:
+              max_shard_size: str | int = DEFAULT_MAX_SHARD, format: str = DEFAULT_FORMAT,
+              background_checks: bool = False) -> Plan:
     """Check the source against its layout and plan the conversion.
 
     Args:
@@ -267,12 +292,16 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         max_shard_size: the largest output shard, e.g. ``"5GB"`` (a single larger tensor gets a shard of its own).
         format: the output format (``formats.FORMATS``), or ``auto``: the family's default (layout ``[clients]
             format``: compressed-tensors where stock clients load it, experts-int8 where they cannot).
+        background_checks: leave the check of the format against transformers' model class running
+            (``ModelCheck``: a conversion runs beside it); ``Plan.finish_checks`` raises what it finds. Else it
+            runs here.
 
     Returns:
         the Plan.
 
     Raises:
-        LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match.
+        LayoutError: unknown architecture; expert count, MoE layers, shapes or orientation that do not match;
+            the format's tensors do not fit transformers' model class (``Format.check_model``).
         SourceError: expert tensors that are not float; routed experts the source decoder refuses
             (``Decoder.check_experts``: already int8 per channel).
         UsageError: an unknown format, a bad ``EXPQ_SLICE_BYTES``, an unknown ``dtype`` or config dtype (naming
@@ -289,13 +318,15 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
     _check_lm_head(source)
-    _check_model(fmt, source.config)
+    # in the background only what a child process computes (``answered_at_once``: else it costs nothing here)
+    check = ModelCheck(fmt, source.config) if background_checks and not answered_at_once() \
+        else _check_model(fmt, source.config)
     jobs = _build_jobs(source, experts, fmt, compute_dtype, budget)
     _check_unique_names(jobs)
     shard_names, shard_sizes = _assign_shards(jobs, shard_limit)
     return Plan(source=source, layout=lay, detected_by=detected_by, experts=experts, format=fmt,
                 compute_dtype=compute_dtype, dtype_reason=dtype_reason, jobs=jobs, shard_names=shard_names,
-                shard_sizes=shard_sizes, max_shard_size=shard_limit)
+                shard_sizes=shard_sizes, max_shard_size=shard_limit, model_check=check)
 
 
 # --- steps of make_plan ----------------------------------------------------------------------------------------------
@@ -329,6 +360,51 @@ def _check_expert_dtypes(source: Source, experts: ExpertMap) -> None:
         t = source.logical[name]
         if TORCH_DTYPES.get(t.dtype) not in COMPUTE_DTYPES.values():
             raise SourceError(f"routed-expert weight is {t.dtype}, not bf16/fp16/fp32", file=t.file, tensor=name)
+
+
+class ModelCheck:
+    """``_check_model`` on a thread of its own (``expq-model-check``), so that a conversion need not wait for it:
+    on a cold cache the marker check imports transformers and the model's module, seconds of one core, which it
+    computes in a child process (``formats.stock_model.in_child_process``) while the pipelines run; its verdict is
+    taken before the commit (``Plan.finish_checks``). Where the child gives no answer, ``wait`` computes it in the
+    waiting thread."""
+
+    def __init__(self, fmt: Format, config: dict):
+        self._fmt, self._config = fmt, config
+        self._error: BaseException | None = None
+        self._here = False  # the child gave no answer: ``wait`` computes it
+        self._children = ChildProcesses()
+        self._thread = threading.Thread(target=self._main, name="expq-model-check", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            with in_child_process(self._children):
+                _check_model(self._fmt, self._config)
+        except NotComputed:
+            self._here = True
+        except BaseException as e:  # noqa: BLE001 - raised by wait, in the caller's thread
+            self._error = e
+
+    def cancel(self) -> None:
+        """End its child process, if one still runs (the verdict is no longer wanted: the conversion ended)."""
+        self._children.end()
+
+    def failed(self) -> bool:
+        """Done, and found a problem (or raised)."""
+        return self._error is not None
+
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Block until the check is done (or ``stop`` is set: then return at once), then raise what it found."""
+        while self._thread.is_alive():
+            if stop is not None and stop.is_set():
+                return
+            self._thread.join(0.1)
+        if self._error is not None:
+            raise self._error
+        if self._here:
+            self._here = False
+            _check_model(self._fmt, self._config)
 
 
 def _check_model(fmt: Format, config: dict) -> None:

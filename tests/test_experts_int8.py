@@ -173,7 +173,8 @@ def test_verify_passes_and_inspect_says_why(int8_out, tmp_path_factory):
 
 def test_a_layout_whose_markers_stock_transformers_would_not_load_is_refused(tmp_path, tmp_path_factory):
     """A custom layout naming a [runtime] weight transformers' model does not have would write markers stock
-    transformers ignores (random experts): convert refuses it before writing anything, naming the marker."""
+    transformers ignores (random experts): convert refuses it, naming the marker, and commits nothing (the check
+    runs beside the conversion and stops it)."""
     from pathlib import Path
 
     from expq.errors import LayoutError

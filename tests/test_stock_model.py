@@ -272,3 +272,100 @@ def test_an_entry_that_is_not_a_regular_file_is_a_miss(mixtral, tmp_path, monkey
     r = subprocess.run([sys.executable, "-c", code, str(src), str(bogus)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, CACHE_ENV: str(cache)})
     assert r.returncode != 0 and "bogus_proj" in r.stderr  # refused, computed: the FIFO was not waited on
+
+
+# --- the check beside a conversion (plan.ModelCheck): computed in a child process, never left behind -------------------
+BESIDE = """
+import json, os, sys
+import expq
+from expq.errors import LayoutError
+src, out, layout = sys.argv[1:4]
+try:
+    expq.convert(src, out, layout=layout, format="experts-int8", device="cpu")
+    verdict = "converted"
+except LayoutError as e:
+    verdict = str(e)
+print(json.dumps({"verdict": verdict, "out": os.path.exists(out), "transformers": "transformers" in sys.modules}))
+"""
+
+
+def test_a_conversion_checks_its_markers_beside_the_run_in_a_child(mixtral, tmp_path):
+    """On a cold cache the conversion's marker check runs in a child process while the conversion runs: the
+    converting process never imports transformers, the bad layout is refused all the same (nothing committed), and
+    the child's answer is the one transformers gives, stored in the cache for the next run."""
+    src, config, good, bogus = mixtral
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-c", BESIDE, str(src), str(tmp_path / "out"), str(bogus)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, CACHE_ENV: str(cache)})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert re.search(BAD_MARKER, got["verdict"]) and not got["out"] and not got["transformers"]
+    assert not (tmp_path / ".out.expq-staging").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert len(entries(cache)) == 1
+    right, wrong = markers(src, good)
+    want = reference_sizes(config, wrong)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(CACHE_ENV, str(cache))
+        m.setitem(sys.modules, "transformers", None)  # only the entry the child's answer made can answer
+        assert stock_parameter_sizes(config, wrong) == want
+
+
+@pytest.mark.parametrize("interpreter", ["/bin/echo"])  # exits 0, answers its arguments
+def test_a_child_that_fails_leaves_the_answer_to_this_process(mixtral, tmp_path, interpreter):
+    """A child that answers something that is not an answer changes nothing: the answer is computed in the
+    process that asked (``NotComputed``, then outside the child's block), and stored."""
+    src, config, good, bogus = mixtral
+    right, wrong = markers(src, good)
+    code = ("import json, sys\nfrom expq.formats import stock_model as s\nsys.executable = sys.argv[1]\n"
+            "config, names = json.loads(sys.argv[2]), json.loads(sys.argv[3])\ntry:\n    with s.in_child_process():\n"
+            "        s.stock_parameter_sizes(config, names)\nexcept s.NotComputed:\n"
+            "    print(json.dumps(s.stock_parameter_sizes(config, names)))\n")
+    r = subprocess.run([sys.executable, "-c", code, interpreter, json.dumps(config), json.dumps(right + wrong)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, CACHE_ENV: str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == reference_sizes(config, right + wrong)
+    assert len(entries(tmp_path / "cache")) == 1
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (d / "stat").read_text()
+                if int(stat.rpartition(")")[2].split()[1]) == pid and \
+                        b"expq.formats.stock_model" in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_an_interrupted_conversion_leaves_no_check_running(mixtral, tmp_path, monkeypatch):
+    """SIGINT while the marker check's child runs: the conversion ends as interrupted (130, one line) and the
+    child is ended with it (the command ends with ``os._exit``: no atexit hook would run)."""
+    import signal
+    import time
+
+    from helpers import start_cli
+
+    src, config, good, bogus = mixtral
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    p = start_cli("convert", src, tmp_path / "out", "--format", "experts-int8", "--device", "cpu")
+    deadline, kids = time.monotonic() + 120, []
+    while not kids and p.poll() is None and time.monotonic() < deadline:
+        kids = _children_of(p.pid)
+        time.sleep(0.05)
+    assert kids, p.communicate()[0]
+    p.send_signal(signal.SIGINT)
+    text, _ = p.communicate(timeout=120)
+    assert p.returncode == 130 and "interrupted by SIGINT" in text and "Traceback" not in text, text
+    assert all(_gone(k) for k in kids)  # ended before the command's end, not left to finish on its own
+    assert not (tmp_path / "out").exists() and not entries(tmp_path / "cache")

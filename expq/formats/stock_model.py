@@ -18,6 +18,14 @@ without its version) is never cached, and neither is a model transformers cannot
 Entries are written to a temporary file then renamed into place, so concurrent runs never see half an entry. An
 entry is read only as a regular file, never through a link (a FIFO there is a miss, not a wait). The sha256 finds damage, not forgery: whoever can
 write the folder can make the plan's check pass, so ``verify`` never reads the cache (``use_cache=False``).
+
+Inside ``in_child_process()`` (a conversion's plan checks its markers so, on a thread of its own, while the
+conversion runs: ``plan.ModelCheck``, unless transformers is imported already and the answer costs hundredths of a
+second, ``answered_at_once``), a miss is computed in a child process (``python -m expq.formats.stock_model``): the
+import is seconds of the interpreter's time, which in a thread of the converting process would hold the lock its
+pipeline threads need, and hundreds of MB that would stay resident; and building the model sets torch's default
+dtype, which is the whole process's. A child that gives no answer raises ``NotComputed``: the caller computes it
+itself, once its other threads are done.
 """
 
 from __future__ import annotations
@@ -25,17 +33,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import atexit
+import contextlib
 import stat
+import subprocess
 import sys
 import tempfile
+import threading
+import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 CACHE_ENV = "EXPQ_CACHE_DIR"
 SCHEMA = "expq-stock-parameter-sizes/1"  # changes when what is computed or how the key is formed changes
 MAX_ENTRY_BYTES = 64 << 20  # an entry is the config and one count per name: far below this
+_here = threading.local()  # .children: this thread computes a miss in a child process (``in_child_process``)
+_live: "weakref.WeakSet[ChildProcesses]" = weakref.WeakSet()  # ended at exit (``_end_all``)
 
 
 def cache_dir() -> Path | None:
@@ -63,7 +78,11 @@ def stock_parameter_sizes(config: dict, names: Sequence[str], *, use_cache: bool
     Cached (see the module docstring): a hit gives the answer computed the first time, which is the answer
     computing it again gives. ``use_cache=False`` never reads the cache (``verify`` does not trust it: an entry is
     checked for damage, not for forgery by someone who can write the folder) and writes the computed answer (which
-    replaces a forged entry).
+    replaces a forged entry). Inside ``in_child_process`` a miss is computed in a child process.
+
+    Raises:
+        Cancelled: inside ``in_child_process``, its ``ChildProcesses`` were ended.
+        NotComputed: inside ``in_child_process``, the child gave no answer (the caller computes it outside).
     """
     names = sorted(set(names))
     key = _key(config, names)
@@ -72,12 +91,133 @@ def stock_parameter_sizes(config: dict, names: Sequence[str], *, use_cache: bool
         hit = _read(path, key, names)
         if hit is not None:
             return hit
-    params = _build(config)
-    if params is None:
+    children = getattr(_here, "children", None)
+    if children is not None:
+        sizes = _sizes_in_child(config, names, children)
+        if sizes is False:
+            raise NotComputed
+    else:
+        params = _build(config)
+        sizes = None if params is None else {n: params.get(n, 0) for n in names}
+    if sizes is None:
         return None
-    sizes = {n: params.get(n, 0) for n in names}
     if path is not None:
         _write(path, key, sizes)
+    return sizes
+
+
+class Cancelled(Exception):
+    """``ChildProcesses.end`` was called: the answer is no longer wanted."""
+
+
+class NotComputed(Exception):
+    """The child process gave no answer (it could not start, failed, was killed, or answered another question):
+    compute it outside ``in_child_process``, where the process's other threads build no tensors meanwhile."""
+
+
+def answered_at_once() -> bool:
+    """Whether a miss is answered here in hundredths of a second (transformers is imported already: building the
+    model on the meta device is all that is left), so that nothing is gained by computing it elsewhere."""
+    return "transformers" in sys.modules
+
+
+class ChildProcesses:
+    """The child processes of one ``in_child_process`` block; ``end`` kills those running and cancels the block's
+    later questions (``stock_parameter_sizes`` then raises ``Cancelled``). Ended at the process's exit too, so
+    that none outlives its parent (for a process that ends with ``os._exit``, its owner ends them first)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.ended = False
+        _live.add(self)
+
+    def add(self, child: subprocess.Popen) -> bool:
+        """Track ``child``; False (and ``child`` killed) once ended."""
+        with self._lock:
+            if not self.ended:
+                self._running.add(child)
+                return True
+        _kill(child)
+        return False
+
+    def discard(self, child: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(child)
+
+    def end(self) -> None:
+        """Kill the running children (waiting for each to be gone) and cancel any later question."""
+        with self._lock:
+            self.ended = True
+            running, self._running = list(self._running), set()
+        for child in running:
+            _kill(child)
+
+
+def _kill(child: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        child.kill()
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        child.wait(5)
+
+
+@atexit.register
+def _end_all() -> None:
+    for children in list(_live):
+        children.end()
+
+
+@contextlib.contextmanager
+def in_child_process(children: ChildProcesses | None = None) -> Iterator[ChildProcesses]:
+    """Within it, on the calling thread, ``stock_parameter_sizes`` computes a miss in a child process, never here:
+    building transformers' model sets torch's default dtype, which is the whole process's, while the process's
+    other threads convert (see the module docstring); the calling thread waits on a pipe. Yields the block's
+    ``ChildProcesses`` (``children``, else new ones; another thread may ``end`` them)."""
+    before = getattr(_here, "children", None)
+    _here.children = children = children or ChildProcesses()
+    try:
+        yield children
+    finally:
+        _here.children = before
+
+
+def _sizes_in_child(config: dict, names: list[str], children: ChildProcesses) -> dict[str, int] | None | bool:
+    """The answer computed by ``python -m expq.formats.stock_model`` (the question on its stdin, the answer on its
+    stdout; its own session, so that a terminal's Ctrl-C is this process's to handle); False when the child gives
+    none (it cannot start, fails, is killed, answers another question).
+
+    Raises:
+        Cancelled: ``children`` were ended.
+    """
+    if children.ended:
+        raise Cancelled
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, env=env, start_new_session=True, close_fds=True)
+    except OSError:  # no interpreter to start (an embedded Python)
+        return False
+    if not children.add(child):
+        raise Cancelled
+    try:
+        out, _ = child.communicate(json.dumps({"config": config, "names": names}).encode())
+    except (OSError, ValueError):
+        out = b""
+    finally:
+        children.discard(child)
+    if children.ended:
+        raise Cancelled
+    if child.returncode != 0:
+        return False
+    try:
+        sizes = json.loads(out)["sizes"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return False
+    if sizes is None:
+        return None
+    if not isinstance(sizes, dict) or sorted(sizes) != names or \
+            not all(type(v) is int and v >= 0 for v in sizes.values()):
+        return False
     return sizes
 
 
@@ -188,3 +328,15 @@ def _write(path: Path, key: str, sizes: dict[str, int]) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def _child() -> None:
+    """``python -m expq.formats.stock_model``: ``{"config", "names"}`` as JSON on stdin, ``{"sizes": {name: count}
+    | null}`` on stdout (``_sizes_in_child``)."""
+    q = json.loads(sys.stdin.buffer.read())
+    params = _build(q["config"])
+    sys.stdout.write(json.dumps({"sizes": None if params is None else {n: params.get(n, 0) for n in q["names"]}}))
+
+
+if __name__ == "__main__":
+    _child()
