@@ -1,11 +1,13 @@
 """The output shards of a plan, written positionally and hashed as they fill.
 
 Shards are written positionally (the plan knows every tensor's offset before the first byte), so tensors can arrive
-in any order from any device and no output shard is ever held in memory. A hasher thread computes each shard's
-sha256 as it fills (following the contiguous written prefix: from memory when a tensor lands there, else read back
-from the page cache), starts the disk writing the hashed ranges (``io.files.start_writeback``), and once the shard's
-last tensor is written and its fsync (run at once, in its own thread) has returned, records it in the journal
-(``ShardDestination.record``: ``outdir.OutputDir`` for a conversion, ``ShardFolder`` for one ``--ray`` task).
+in any order from any device and no output shard is ever held in memory. A hasher thread per open shard computes its
+sha256 as it fills, following the contiguous written prefix: from memory when a tensor lands there, else read back
+from the page cache (the shards' hashes run side by side: one sha256 is about 1.2 GB/s of one core, and a shard
+whose front is written last, as experts-int8's scales can be, is hashed after its codes); it starts the disk
+writing the hashed ranges (``io.files.start_writeback``), and once the shard's last tensor is written and its fsync
+(run at once, in its own thread) has returned, records it in the journal (``ShardDestination.record``:
+``outdir.OutputDir`` for a conversion, ``ShardFolder`` for one ``--ray`` task).
 
 Also here: the sparse stand-in of a shard (``placeholder_shard``) and config.json's text (``config_json``).
 """
@@ -121,7 +123,7 @@ def _pread_into(fd: int, view: memoryview, pos: int) -> int:
 
 class ShardSet:
     """The output shards of a plan, opened on first write and closed once all their tensors are written: the last
-    byte hashed (sha256, computed as the shard fills by a hasher thread), fsync'd, then recorded in the journal.
+    byte hashed (sha256, computed as the shard fills by its hasher thread), fsync'd, then recorded in the journal.
 
     ``write`` / ``done`` are thread-safe: pipelines on several devices write their tensors at their planned
     offsets, in any order (the hash is the same; it is cheapest when a shard is written front to back).
@@ -139,9 +141,10 @@ class ShardSet:
         self._hashes: dict[int, _ShardHash] = {}
         self._left = [len(m) for m in self._members]
         self._lock = threading.Condition()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # for the hasher (see _hash_loop); None: stop
+        self._events: dict[int, queue.SimpleQueue] = {}  # per open shard, for its hasher (_hash_loop); None: stop
         self._held = 0  # bytes of written tensors held for the hasher to hash from memory
-        self._hasher: threading.Thread | None = None
+        self._hashers: dict[int, threading.Thread] = {}
+        self._record_lock = threading.Lock()  # one journal record at a time
         self.error: BaseException | None = None  # what stopped the hasher (a failed read back, fsync or journal)
         self.closed: list[int] = []
         self.on_close = dict  # returns the row findings of finished jobs, for the journal (run_plan sets it)
@@ -168,13 +171,13 @@ class ShardSet:
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=str(path)) from None
         self._hashes[k] = _ShardHash(fd, header, len(header) + self.plan.shard_sizes[k], writeback=self.fsync)
-        if self._hasher is None:
-            self._hasher = threading.Thread(target=self._hash_loop, name="expq-hasher", daemon=True)
-            self._hasher.start()
+        self._events[k] = queue.SimpleQueue()
+        self._hashers[k] = threading.Thread(target=self._hash_loop, args=(k,), name=f"expq-hasher-{k}", daemon=True)
+        self._hashers[k].start()
         for o in self._members[k]:
             if o.value is not None:
                 self._left[k] -= 1
-                self._events.put((k, len(header) + o.offset, len(header) + o.offset + o.nbytes, None))
+                self._events[k].put((len(header) + o.offset, len(header) + o.offset + o.nbytes, None))
         return fd, len(header)
 
     def target(self, out: OutTensor) -> tuple[int, int] | None:
@@ -238,7 +241,8 @@ class ShardSet:
                 self._held += data.nbytes
             else:
                 data = None
-        self._events.put((out.shard, base + out.offset, base + out.offset + out.nbytes, data))
+            events = self._events[out.shard]
+        events.put((base + out.offset, base + out.offset + out.nbytes, data))
         if last and self.fsync:  # flush while the hasher finishes the tail
             threading.Thread(target=self._fsync, args=(out.shard, fd), name="expq-fsync", daemon=True).start()
 
@@ -246,35 +250,36 @@ class ShardSet:
         try:
             faults.hit("fsync")
             os.fsync(fd)
-            self._events.put((k, None))
+            self._events[k].put((None,))
         except BaseException as e:  # noqa: BLE001 - the hasher raises it
-            self._events.put((k, e))
+            self._events[k].put((e,))
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
             self._held -= nbytes
 
-    def _hash_loop(self) -> None:
-        k = -1
+    def _hash_loop(self, k: int) -> None:
+        """Shard ``k``'s hasher: hashes what its events say was written, until the shard is closed or stopped."""
+        hs, events = self._hashes[k], self._events[k]
         try:
-            while (ev := self._events.get()) is not None:
-                k, hs = ev[0], self._hashes[ev[0]]
-                if len(ev) == 2:  # the shard's fsync returned (None) or failed
-                    if ev[1] is not None:
-                        raise ev[1]
+            while (ev := events.get()) is not None:
+                if len(ev) == 1:  # the shard's fsync returned (None) or failed
+                    if ev[0] is not None:
+                        raise ev[0]
                     hs.synced = True
                 else:
-                    _, start, end, data = ev
+                    start, end, data = ev
                     hs.arrivals += 1
                     heapq.heappush(hs.ready, (start, end, hs.arrivals, data))
                     hs.advance(self._release)
                 if hs.pos >= hs.size and (hs.synced or not self.fsync):
                     self._close(k, hs)
+                    return
         except BaseException as e:  # noqa: BLE001 - handed to the writers and to wait_closed
             with self._lock:
-                self.error = e if isinstance(e, ExpqError) else OutputError(
-                    f"cannot finish the shard: {getattr(e, 'strerror', None) or e}",
-                    file=self.plan.shard_names[k] if k >= 0 else None)
+                if self.error is None:
+                    self.error = e if isinstance(e, ExpqError) else OutputError(
+                        f"cannot finish the shard: {getattr(e, 'strerror', None) or e}", file=self.plan.shard_names[k])
                 self._lock.notify_all()
 
     def _close(self, k: int, hs: _ShardHash) -> None:
@@ -282,7 +287,8 @@ class ShardSet:
             fd, _ = self._fds.pop(k)
         os.close(fd)
         name = self.plan.shard_names[k]
-        self.outdir.record(name, jobs=self.on_close(), sha256=hs.h.hexdigest())
+        with self._record_lock:
+            self.outdir.record(name, jobs=self.on_close(), sha256=hs.h.hexdigest())
         with self._lock:
             self.closed.append(k)
             self._lock.notify_all()
@@ -304,10 +310,12 @@ class ShardSet:
     def close_all(self) -> None:
         """Stop the hasher, close and remove every shard not finished (after an error or an interrupt): a re-run
         redoes them."""
-        if self._hasher is not None:
-            self._events.put(None)
-            self._hasher.join()
-            self._hasher = None
+        with self._lock:
+            hashers, self._hashers = self._hashers, {}
+        for k in hashers:
+            self._events[k].put(None)
+        for t in hashers.values():
+            t.join()
         with self._lock:
             for k, (fd, _) in self._fds.items():
                 os.close(fd)
