@@ -9,6 +9,8 @@ steps both use.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -19,7 +21,7 @@ from . import cpu_kernels, parallel
 from .errors import NonFiniteError, OutputError, option
 from .io.safetensors import copy_bytes, map_tensor
 from .plan import Job, JobKind, OutTensor, Plan, Slice
-from .scheme import canonical_nan_, matrix_scales, scales_from_absmax
+from .scheme import CPU_BLOCK_ELEMS, canonical_nan_, matrix_scales, scales_from_absmax
 
 if TYPE_CHECKING:
     from .output.shards import ShardSet
@@ -57,16 +59,69 @@ def front_outputs(plan: Plan, jobs: list[tuple[int, Job]]) -> dict[int, list[Out
     return out
 
 
+LOOKAHEAD_SHARDS = 2
+"""How far the front pass may run ahead of the read threads: this many output shards' worth of source bytes (at
+most ``max_shard_size`` each), bounded by a quarter of the memory available (``lookahead_bytes``). A shard's hash
+reads it front to back and its front (experts-int8's scales) holds every matrix of the shard: the sooner the front
+is written, the sooner the hash follows the codes as they land, instead of hashing the shard after its last codes.
+What the front pass reads stays in the page cache for the read threads when it is this close."""
+
+
+def lookahead_bytes(plan: Plan) -> int:
+    """Source bytes the front pass may read ahead of the read threads (``LOOKAHEAD_SHARDS``)."""
+    return max(0, min(LOOKAHEAD_SHARDS * plan.max_shard_size, memory_available() // 4))
+
+
+def memory_available() -> int:
+    """Bytes of memory available to new work (``MemAvailable``: free plus what the page cache can give back), or
+    the free physical memory where ``/proc/meminfo`` is not there."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def units_ahead(units: list[list[tuple[int, Job]]], ahead: int) -> list[int]:
+    """For each unit ``k``: how many units the read threads must have taken before the front pass starts it: the
+    fewest such that the units not yet taken, up to ``k``, hold at most ``ahead`` source bytes; ``k`` at most (the
+    front pass reads unit ``k`` while the read threads are on unit ``k - 1`` or later, whatever its size)."""
+    sizes = [sum(j.tensor.nbytes_stored for _, j in u) for u in units]
+    out = []
+    for k in range(len(units)):
+        n, held = k, sizes[k]
+        while n > 0 and held + sizes[n - 1] <= ahead:
+            n -= 1
+            held += sizes[n]
+        out.append(n)
+    return out
+
+
+OWN_POOL_MIN_ELEMS = 16 * CPU_BLOCK_ELEMS
+"""The smallest slice whose scales a GPU run's front pass spreads over its own pool: one row block
+(``scheme.CPU_BLOCK_ELEMS``) per thread of a 16-core host. Below it, handing the blocks to the pool and waiting for
+them costs more than computing them on the front pass's thread (measured on the 2-core runner: 0.26 against 0.48 ms
+for a Qwen3 expert matrix, 768 x 2048, and 0.58 against 1.00 ms for 2048 x 2048); per-expert families, whose
+matrices are small, run this way, and their front pass goes through thousands of them."""
+
+
 class FrontPass:
     """Writes the front of every shard (``front_outputs``: the scales, the copied and the decoded tensors of an
     experts-int8 shard) ahead of the pipelines, so that each shard's hash follows its codes from memory as they are
     written, instead of waiting for the shard's last job and reading the whole shard back at the end.
 
     One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
-    hashes wait for it, and it is small: one read of each value); on a GPU run, which has no CPU pool, its CPU
-    scales go over a pool of its own (one thread per core, ``parallel.local``). It goes through the units in the order the
-    pipelines take them (within a unit, in the order the outputs lie in the shards), at most one unit ahead of the
-    read threads (so that what it maps is still in the page cache when they read it). For each job it claims first
+    hashes wait for it, and it is small: one read of each value); on a GPU run, which has no CPU pool, the CPU
+    scales of a slice of ``OWN_POOL_MIN_ELEMS`` or more go over a pool of its own (one thread per core,
+    ``parallel.local``). It goes through the units in the order the pipelines take them (within a unit, in the order
+    the outputs lie in the shards), ahead of the read threads by at most ``lookahead_bytes`` of source (so that what
+    it maps is still in the page cache when they read it), and by one unit at least. For each job it claims first
     (``Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
     the pipeline skips these outputs):
 
@@ -85,6 +140,8 @@ class FrontPass:
     def __init__(self, run: Run, units: list[list[tuple[int, Job]]], devices: list[torch.device]):
         self.run, self.units = run, units
         self.gpu = next((d for d in devices if d.type == "cuda"), None)
+        self._ahead = units_ahead(units, lookahead_bytes(run.plan))
+        self._own: parallel.Pool | None = None  # a GPU run's pool for the front pass's CPU scales (``_main``)
         self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
 
     def start(self) -> None:
@@ -99,13 +156,14 @@ class FrontPass:
         # absmax of a float source, a quantized source's row absmax) get one of their own, this thread's only
         own = parallel.Pool(parallel.usable_cores(), "expq-front") if self.gpu is not None and parallel.pool() is None \
             else None
+        self._own = own
         try:
             if self.gpu is not None:
                 torch.cuda.set_device(self.gpu)
             with torch.cuda.stream(torch.cuda.Stream(self.gpu)) if self.gpu is not None else nullcontext(), \
                     own or nullcontext(), parallel.local(own), parallel.first():
                 for k, unit in enumerate(self.units):
-                    self.run.wait_taken(k)
+                    self.run.wait_taken(self._ahead[k])
                     front = self.run.front
                     # in the order the outputs lie in the shards: the hashes pass them in that order
                     for index, job in sorted((ij for ij in unit if ij[0] in front),
@@ -142,7 +200,10 @@ class FrontPass:
         for piece in job.slices:  # a stacked tensor slice by slice: what is mapped and computed stays bounded
             if self.run.halted():
                 raise Halt
-            self._slice(job, piece, device, front)
+            # a slice of fewer than OWN_POOL_MIN_ELEMS: on this thread (its own pool costs more than it gives)
+            small = self._own is not None and math.prod(piece.tensor.shape) < OWN_POOL_MIN_ELEMS
+            with parallel.local(None) if small else nullcontext():
+                self._slice(job, piece, device, front)
 
     def _slice(self, job: Job, piece: Slice, device: torch.device, front: set[str]) -> None:
         """Write the front outputs of one slice of a quantize job: its matrices' scales, encoded by the format."""
