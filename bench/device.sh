@@ -195,8 +195,8 @@ build_example('mixtral', sys.argv[1], max_position_embeddings=1024, init_std=0.0
       if [ -n "${STAGES:-}" ] && [ -n "$src" ] && [ "$left" -gt 40 ]; then
         # twice in one process: the first with an empty marker cache (a config's first conversion), then warm
         EXPQ_CACHE_DIR=$(mktemp -d) timeout "$left" python3 bench/stage_times.py "$src" /tmp/bench28/stage-out \
-          --device cuda --format experts-int8 --repeat 2 > "$OUT/convert28/${m%%:*}-stages.txt" 2>&1 || echo "stages: $m stopped ($?)"
-        tail -30 "$OUT/convert28/${m%%:*}-stages.txt"
+          --device cuda --format experts-int8 --repeat 2 --timeline > "$OUT/convert28/${m%%:*}-stages.txt" 2>&1 || echo "stages: $m stopped ($?)"
+        grep -v "unit" "$OUT/convert28/${m%%:*}-stages.txt" | tail -60
       fi
       rm -rf /tmp/bench28/"${m%%:*}"* /tmp/bench28/stage-out
     done

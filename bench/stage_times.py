@@ -1,7 +1,7 @@
 """Where a conversion's time goes, stage by stage: wall and CPU seconds of each pipeline stage, in one process.
 
     python bench/stage_times.py SRC OUT [--device cpu|cuda|...] [--format auto|compressed-tensors|experts-int8]
-                                        [--repeat N] [--no-buffer-pool]
+                                        [--repeat N] [--no-buffer-pool] [--timeline]
 
 Wraps the pipeline's stage functions (reading a tensor, the scheme on its rows, packing, positional writes, copies
 of passthrough tensors, the shard hasher, fsync) with timers, runs ``expq.convert`` and prints, per stage, the
@@ -15,12 +15,18 @@ the scheme's row blocks (codes), the front pass's absmax blocks (no codes), the 
 decode's tiles and the MXFP4 row absmax's tiles (the front pass's scales of an MXFP4 source), so that their cost
 *inside the pipeline* reads as CPU ns per element (per core); and the counts of the conversion's buffer pool
 (``io.buffers``: buffers mapped, reused).
+
+``--timeline``: when each step of the run happened, in seconds from the call of ``convert``: the read threads taking
+each unit (a source shard), the front pass starting each unit, each output shard opened, its last tensor written
+(its fsync starting), hashed and recorded, the pipelines returning, the source's identity ready, the side files and
+the commit; and every half second how far each open shard's hash has got (the critical path of a run reads off it).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
 import shutil
 import sys
@@ -32,6 +38,8 @@ import torch  # noqa: E402 - timed as start-up
 
 T_TORCH = time.perf_counter() - T0
 import expq.api  # noqa: E402
+import expq.conversion as conversion  # noqa: E402
+import expq.output.outdir as outdir  # noqa: E402
 import expq.cpu_kernels as cpu_kernels  # noqa: E402
 import expq.formats.compressed_tensors as ct  # noqa: E402
 import expq.formats.experts_int8 as ei8  # noqa: E402
@@ -84,6 +92,71 @@ def timed_kernel(name: str, elements) -> None:
 
 
 POOLS: list = []
+EVENTS: list[tuple[float, str]] = []
+RUN_T0 = [0.0]
+SHARD_SETS: list = []
+
+
+def marked(owner, name: str, label, when: str = "end") -> None:
+    """Record ``label(*args, result)`` (None: nothing) with the time a call of ``owner.name`` starts or ends."""
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        if when == "start":
+            text = label(*a, None)
+            if text:
+                EVENTS.append((time.perf_counter() - RUN_T0[0], text))
+        r = fn(*a, **k)
+        if when == "end":
+            text = label(*a, r)
+            if text:
+                EVENTS.append((time.perf_counter() - RUN_T0[0], text))
+        return r
+
+    setattr(owner, name, wrapper)
+
+
+def timeline() -> None:
+    marked(pipeline.Run, "unit_taken", lambda run, r: f"read threads took unit {run.units_taken}")
+    marked(pipeline.Run, "wait_taken", lambda run, n, r: f"front pass starts unit {n + 1}")
+    marked(shards.ShardSet, "_open", lambda ss, k, r: f"shard {k + 1} opened")
+    marked(shards.ShardSet, "_fsync", lambda ss, k, fd, r: f"shard {k + 1}: last tensor written", when="start")
+    marked(shards.ShardSet, "_close", lambda ss, k, hs, r: f"shard {k + 1} hashed, synced, recorded")
+    marked(expq.api, "run_plan", lambda *a: "pipelines returned")
+    marked(conversion.BackgroundIdentity, "wait", lambda *a: "source identity ready")
+    marked(expq.api, "write_side_files", lambda *a: "side files written")
+    marked(outdir.OutputDir, "commit", lambda *a: "committed")
+    init = shards.ShardSet.__init__
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        SHARD_SETS.append(self)
+
+    shards.ShardSet.__init__ = keep
+
+
+class HashProgress:
+    """Every ``period`` seconds: how far each open shard's hash has got (percent of the file)."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.stop = period, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="stage-times-hash", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period):
+            for ss in list(SHARD_SETS):
+                open_ = {k: h for k, h in list(ss._hashes.items()) if k not in ss.closed}
+                if open_:
+                    EVENTS.append((time.perf_counter() - RUN_T0[0], "hash at " + ", ".join(
+                        f"shard {k + 1} {100 * h.pos / h.size:.0f}%" for k, h in sorted(open_.items()))))
+
+    def __enter__(self) -> "HashProgress":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 class ThreadCpu:
@@ -143,7 +216,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-buffer-pool", action="store_true",
                     help="every large tensor a fresh allocation, as before the pool (io.buffers.MIN_BYTES unreachable)")
+    ap.add_argument("--timeline", action="store_true", help="when each step of the run happened (see above)")
     args = ap.parse_args()
+    if args.timeline:
+        timeline()
     if args.no_buffer_pool:
         buffers.MIN_BYTES = 1 << 62
     timed(expq.api, "make_plan", "plan (make_plan)")
@@ -173,8 +249,11 @@ def main() -> None:
         shutil.rmtree(args.out, ignore_errors=True)
         ACC.clear()
         POOLS.clear()
+        EVENTS.clear()
+        SHARD_SETS.clear()
         t, c = time.perf_counter(), time.process_time()
-        with ThreadCpu() as threads:
+        RUN_T0[0] = t
+        with ThreadCpu() as threads, HashProgress() if args.timeline else contextlib.nullcontext():
             rep = expq.api.convert(args.src, args.out, device=args.device, format=args.format)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         print(f"run {i + 1}: {rep.bytes_in / 1e9:.2f} GB in, {wall:.2f} s wall, {cpu:.2f} s CPU (process), "
@@ -191,6 +270,10 @@ def main() -> None:
         print("  CPU s by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in threads.by_name().items()))
         for p in POOLS:
             print(f"  buffer pool: {p.mapped} buffers mapped ({p.mapped_bytes / 1e9:.2f} GB), {p.reused} reused")
+        if args.timeline:
+            print("  timeline (s from the call of convert):")
+            for when, text in sorted(EVENTS):
+                print(f"  {when:7.2f}  {text}")
         sys.stdout.flush()
 
 
