@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import shutil
 import signal
+import threading
 
 import pytest
 import torch
@@ -123,9 +124,24 @@ def test_sliced_conversion_is_byte_identical(sources, name, fmt, tmp_path, monke
 @pytest.mark.parametrize("name", ["gpt_oss-bf16", "gpt_oss-mxfp4"])
 def test_what_a_job_holds_at_once_is_bounded_by_the_budget(sources, name, tmp_path, monkeypatch):
     """The largest stored read, decoded tensor, row block quantized and scale pass of a conversion: about one
-    slice (budget-sized), where unsliced they are the whole tensor (four experts)."""
+    slice (budget-sized), where unsliced they are the whole tensor (four experts). The front pass is made to claim
+    every job it has outputs of (a pipeline that claims a job first takes its scales itself: which one does is a
+    race, and the largest tensor's scales are what this measures)."""
     monkeypatch.delenv(plan_mod.SLICE_ENV, raising=False)
     seen: dict[str, int] = {"read": 0, "decoded": 0, "quantized": 0, "front": 0}
+    real_claim, tried, turn = pipeline.Run.claim, set(), threading.Condition()
+
+    def claim(run, index, who):
+        if who == "front":
+            with turn:
+                tried.add(index)
+                turn.notify_all()
+        else:  # the pipeline waits for the front pass to have asked first
+            with turn:
+                turn.wait_for(lambda: index in tried, timeout=10)
+        return real_claim(run, index, who)
+
+    monkeypatch.setattr(pipeline.Run, "claim", claim)
 
     def note(key, t):
         seen[key] = max(seen[key], t.numel() * t.element_size())
