@@ -344,7 +344,12 @@ def test_out_whose_parent_cannot_hold_expq_files_is_one_line(tmp_path, tmp_path_
     out = tmp_path / "afile" / "out"
     with pytest.raises(UsageError) as e:
         expq.convert(example(tmp_path_factory, "mixtral"), out, device="cpu")
-    assert f"file {out}: cannot write beside OUT in {out.parent}" in str(e.value), str(e.value)
+    assert f"file {out}: cannot write beside OUT in {out.parent} ({out.parent} is not a folder)" in str(e.value), \
+        str(e.value)  # mkdir says only "File exists"
+    deeper = out / "sub"  # a file above the folder that would be made
+    with pytest.raises(UsageError) as e:
+        expq.convert(example(tmp_path_factory, "mixtral"), deeper, device="cpu")
+    assert f"cannot write beside OUT in {deeper.parent} ({out.parent} is not a folder)" in str(e.value), str(e.value)
 
 
 def test_second_conversion_into_the_same_out_is_refused(tmp_path, tmp_path_factory):

@@ -129,6 +129,18 @@ def _name_max(folder: Path) -> int:
     return 255
 
 
+def _not_a_folder(path: Path) -> Path | None:
+    """The first of ``path`` and its ancestors, from the root down, that exists and is not a folder (a file where
+    OUT's folder would be made: ``mkdir`` says only "File exists"), or None."""
+    for p in (*reversed(path.parents), path):
+        try:
+            if not stat.S_ISDIR(os.stat(p).st_mode):
+                return p
+        except OSError:
+            return None
+    return None
+
+
 class OutputDir:
     """The output directory, its staging folder, journal and lock (see the module docstring).
 
@@ -165,8 +177,10 @@ class OutputDir:
             parent.mkdir(parents=True, exist_ok=True)
             self._lock_fd = files.take_lock(self.lock_path, self.out)
         except OSError as e:
-            raise UsageError(f"cannot write beside OUT in {parent} ({e.strerror or e}): expq keeps its lock, journal "
-                             "and partial output there", file=str(self.out)) from None
+            blocker = _not_a_folder(parent)
+            why = f"{blocker} is not a folder" if blocker is not None else (e.strerror or str(e))
+            raise UsageError(f"cannot write beside OUT in {parent} ({why}): expq keeps its lock, journal and partial "
+                             "output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
         self.warnings: list[str] = []  # what went wrong after the commit (the new checkpoint is in place)
         self.committed = False  # the new checkpoint is OUT (``commit`` renamed it into place)
