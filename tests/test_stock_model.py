@@ -310,21 +310,20 @@ def test_a_conversion_checks_its_markers_beside_the_run_in_a_child(mixtral, tmp_
         assert stock_parameter_sizes(config, wrong) == want
 
 
-@pytest.mark.parametrize("interpreter", ["/bin/echo"])  # exits 0, answers its arguments
-def test_a_child_that_fails_leaves_the_answer_to_this_process(mixtral, tmp_path, interpreter):
-    """A child that answers something that is not an answer changes nothing: the answer is computed in the
-    process that asked (``NotComputed``, then outside the child's block), and stored."""
+@pytest.mark.parametrize("interpreter", ["/bin/echo", "/bin/false"])  # answers its arguments; fails
+def test_a_child_that_fails_leaves_the_answer_to_this_process(mixtral, tmp_path, monkeypatch, interpreter):
+    """A child that fails, or answers something that is not an answer, changes nothing: the block raises
+    ``NotComputed``, the answer is computed by the process that asked, outside the block, and stored."""
+    from expq.formats import stock_model
+
     src, config, good, bogus = mixtral
     right, wrong = markers(src, good)
-    code = ("import json, sys\nfrom expq.formats import stock_model as s\nsys.executable = sys.argv[1]\n"
-            "config, names = json.loads(sys.argv[2]), json.loads(sys.argv[3])\ntry:\n    with s.in_child_process():\n"
-            "        s.stock_parameter_sizes(config, names)\nexcept s.NotComputed:\n"
-            "    print(json.dumps(s.stock_parameter_sizes(config, names)))\n")
-    r = subprocess.run([sys.executable, "-c", code, interpreter, json.dumps(config), json.dumps(right + wrong)],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, CACHE_ENV: str(tmp_path / "cache")})
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == reference_sizes(config, right + wrong)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "executable", interpreter)  # what the child is started with
+    with pytest.raises(stock_model.NotComputed), stock_model.in_child_process():
+        stock_parameter_sizes(config, right + wrong)
+    assert not (tmp_path / "cache").exists() or not entries(tmp_path / "cache")  # no answer: nothing stored
+    assert stock_parameter_sizes(config, right + wrong) == reference_sizes(config, right + wrong)
     assert len(entries(tmp_path / "cache")) == 1
 
 
