@@ -395,16 +395,32 @@ class ModelCheck:
         return self._error is not None
 
     def wait(self, stop: threading.Event | None = None) -> None:
-        """Block until the check is done (or ``stop`` is set: then return at once), then raise what it found."""
-        while self._thread.is_alive():
-            if stop is not None and stop.is_set():
-                return
-            self._thread.join(0.1)
-        if self._error is not None:
-            raise self._error
+        """Block until the check is done (or ``stop`` is set: then return at once), then raise what it found. Where
+        the child gave no answer, the check is computed now (the caller's pipelines are done), on a thread of its own
+        so that ``stop`` is still seen within 0.1 s."""
+        if not self._join(stop):
+            return
         if self._here:
             self._here = False
+            self._thread = threading.Thread(target=self._compute_here, name="expq-model-check", daemon=True)
+            self._thread.start()
+            if not self._join(stop):
+                return
+        if self._error is not None:
+            raise self._error
+
+    def _join(self, stop: threading.Event | None) -> bool:
+        while self._thread.is_alive():
+            if stop is not None and stop.is_set():
+                return False
+            self._thread.join(0.1)
+        return True
+
+    def _compute_here(self) -> None:
+        try:
             _check_model(self._fmt, self._config)
+        except BaseException as e:  # noqa: BLE001 - raised by wait, in the caller's thread
+            self._error = e
 
 
 def _check_model(fmt: Format, config: dict) -> None:

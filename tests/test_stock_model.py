@@ -368,3 +368,65 @@ def test_an_interrupted_conversion_leaves_no_check_running(mixtral, tmp_path, mo
     assert p.returncode == 130 and "interrupted by SIGINT" in text and "Traceback" not in text, text
     assert all(_gone(k) for k in kids)  # ended before the command's end, not left to finish on its own
     assert not (tmp_path / "out").exists() and not entries(tmp_path / "cache")
+
+
+def test_a_hung_child_is_ended_and_the_answer_computed_here(mixtral, tmp_path, monkeypatch):
+    """A child that never answers is killed at ``CHILD_TIMEOUT_S`` (no conversion waits on it for ever)."""
+    import time
+
+    from expq.formats import stock_model
+
+    src, config, good, bogus = mixtral
+    right, _ = markers(src, good)
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nexec sleep 60\n")
+    hang.chmod(0o755)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "executable", str(hang))
+    monkeypatch.setattr(stock_model, "CHILD_TIMEOUT_S", 1)
+    t = time.monotonic()
+    with pytest.raises(stock_model.NotComputed), stock_model.in_child_process():
+        stock_parameter_sizes(config, right)
+    assert time.monotonic() - t < 10
+    assert stock_parameter_sizes(config, right) == reference_sizes(config, right)
+
+
+class _LateFormat:
+    """A format whose check gives no answer in the child's block (as when the child fails), then takes ``delay``
+    seconds to find ``problem`` outside it."""
+
+    def __init__(self, delay: float, problem: str):
+        self.delay, self.problem, self.calls = delay, problem, 0
+        from types import SimpleNamespace
+
+        self.experts = SimpleNamespace(layout=SimpleNamespace(path="late.toml"))
+
+    def check_model(self, config, *, use_cache=True):
+        from expq.formats.stock_model import NotComputed
+
+        self.calls += 1
+        if self.calls == 1:
+            raise NotComputed
+        import time
+
+        time.sleep(self.delay)
+        return [self.problem]
+
+
+def test_a_stop_is_seen_while_the_check_is_computed_here():
+    """Where the child gave no answer, ``ModelCheck.wait`` computes the check itself, and a stop (a signal) still
+    ends the wait within a fraction of a second; without the stop it waits and raises the check's finding."""
+    import threading
+    import time
+
+    from expq.plan import ModelCheck
+
+    check, stop = ModelCheck(_LateFormat(3.0, "late problem"), {}), threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    t = time.monotonic()
+    check.wait(stop)
+    assert time.monotonic() - t < 1.5
+    check = ModelCheck(_LateFormat(0.5, "late problem"), {})
+    with pytest.raises(LayoutError, match="late problem") as e:  # negative control: no stop, the finding
+        check.wait(threading.Event())
+    assert "late.toml" in str(e.value)

@@ -49,6 +49,7 @@ import torch
 CACHE_ENV = "EXPQ_CACHE_DIR"
 SCHEMA = "expq-stock-parameter-sizes/1"  # changes when what is computed or how the key is formed changes
 MAX_ENTRY_BYTES = 64 << 20  # an entry is the config and one count per name: far below this
+CHILD_TIMEOUT_S = 300  # a child that has not answered by then never will (it takes 4-17 s): computed here instead
 _here = threading.local()  # .children: this thread computes a miss in a child process (``in_child_process``)
 _live: "weakref.WeakSet[ChildProcesses]" = weakref.WeakSet()  # ended at exit (``_end_all``)
 
@@ -200,14 +201,17 @@ def _sizes_in_child(config: dict, names: list[str], children: ChildProcesses) ->
     if not children.add(child):
         raise Cancelled
     try:
-        out, _ = child.communicate(json.dumps({"config": config, "names": names}).encode())
+        out, _ = child.communicate(json.dumps({"config": config, "names": names}).encode(), timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # hung: no answer
+        _kill(child)
+        out = b""
     except (OSError, ValueError):
         out = b""
     finally:
         children.discard(child)
     if children.ended:
         raise Cancelled
-    if child.returncode != 0:
+    if child.returncode != 0:  # failed, killed, or timed out (killed)
         return False
     try:
         sizes = json.loads(out)["sizes"]
