@@ -44,6 +44,10 @@ run at full speed: the per-slice costs (one dispatch over the thread pool, one G
 The output bytes do not depend on it (the scheme is per row). ``EXPQ_SLICE_BYTES`` (a size, e.g. ``64MiB``)
 overrides it; read when a plan is made (``slice_bytes``)."""
 SLICE_ENV = "EXPQ_SLICE_BYTES"
+BACKGROUND_CHECK_MIN_BYTES = 1 << 30
+"""The smallest source whose conversion runs its model check beside it (``ModelCheck``): a smaller one converts in
+less time than the check's child takes (4-17 s: a second import of torch, then transformers), so the check runs in
+the plan, as for ``inspect``."""
 
 
 @dataclass
@@ -293,8 +297,8 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
         format: the output format (``formats.FORMATS``), or ``auto``: the family's default (layout ``[clients]
             format``: compressed-tensors where stock clients load it, experts-int8 where they cannot).
         background_checks: leave the check of the format against transformers' model class running
-            (``ModelCheck``: a conversion runs beside it); ``Plan.finish_checks`` raises what it finds. Else it
-            runs here.
+            (``ModelCheck``: a conversion runs beside it) for a source of ``BACKGROUND_CHECK_MIN_BYTES`` or more;
+            ``Plan.finish_checks`` raises what it finds. Else it runs here.
 
     Returns:
         the Plan.
@@ -318,9 +322,10 @@ def make_plan(source: Source, *, layout: Layout | str | Path | None = None, dtyp
     fmt = get_format(lay.default_format if format == DEFAULT_FORMAT else format, experts, compute_dtype)
     _check_expert_dtypes(source, experts)
     _check_lm_head(source)
-    # in the background only what a child process computes (``answered_at_once``: else it costs nothing here)
-    check = ModelCheck(fmt, source.config) if background_checks and not answered_at_once() \
-        else _check_model(fmt, source.config)
+    # in the background only what a child process computes (``answered_at_once``: else it costs nothing here), and
+    # only beside a conversion long enough to hide it (the child pays a second import of torch)
+    check = ModelCheck(fmt, source.config) if background_checks and not answered_at_once() and \
+        source.total_bytes >= BACKGROUND_CHECK_MIN_BYTES else _check_model(fmt, source.config)
     jobs = _build_jobs(source, experts, fmt, compute_dtype, budget)
     _check_unique_names(jobs)
     shard_names, shard_sizes = _assign_shards(jobs, shard_limit)

@@ -277,7 +277,8 @@ def test_an_entry_that_is_not_a_regular_file_is_a_miss(mixtral, tmp_path, monkey
 # --- the check beside a conversion (plan.ModelCheck): computed in a child process, never left behind -------------------
 BESIDE = """
 import json, os, sys
-import expq
+import expq, expq.plan
+expq.plan.BACKGROUND_CHECK_MIN_BYTES = 0  # the small fixture converts beside the check as a large source does
 from expq.errors import LayoutError
 src, out, layout = sys.argv[1:4]
 try:
@@ -357,7 +358,8 @@ def test_an_interrupted_conversion_leaves_no_check_running(mixtral, tmp_path, mo
 
     src, config, good, bogus = mixtral
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    p = start_cli("convert", src, tmp_path / "out", "--format", "experts-int8", "--device", "cpu")
+    p = start_cli("convert", src, tmp_path / "out", "--format", "experts-int8", "--device", "cpu",
+                  prelude="import expq.plan\nexpq.plan.BACKGROUND_CHECK_MIN_BYTES = 0")
     deadline, kids = time.monotonic() + 120, []
     while not kids and p.poll() is None and time.monotonic() < deadline:
         kids = _children_of(p.pid)
