@@ -147,9 +147,7 @@ class FrontPass:
         self.gpu = next((d for d in devices if d.type == "cuda"), None)
         self._ahead = units_ahead(units, lookahead_bytes(run.plan))
         self._own: parallel.Pool | None = None  # a GPU run's pool for the front pass's CPU scales (``_main``)
-        self._run_outs: list[OutTensor] = []  # front outputs back to back in a shard, not yet written (``_put``)
-        self._run_data: list[torch.Tensor] = []
-        self._run_bytes = 0
+        self._pending: list[tuple[OutTensor, torch.Tensor]] = []  # back to back in a shard, not yet written (``_put``)
         self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
 
     def start(self) -> None:
@@ -162,9 +160,8 @@ class FrontPass:
     def _main(self) -> None:
         # a GPU run has no CPU pool (``pipeline.cpu_threads``): the scales this pass takes on the CPU (the fused
         # absmax of a float source, a quantized source's row absmax) get one of their own, this thread's only
-        own = parallel.Pool(parallel.usable_cores(), "expq-front") if self.gpu is not None and parallel.pool() is None \
-            else None
-        self._own = own
+        own = self._own = parallel.Pool(parallel.usable_cores(), "expq-front") \
+            if self.gpu is not None and parallel.pool() is None else None
         try:
             if self.gpu is not None:
                 torch.cuda.set_device(self.gpu)
@@ -247,20 +244,17 @@ class FrontPass:
     def _put(self, out: OutTensor, x: torch.Tensor) -> None:
         """Write ``out`` with the front outputs that lie right before it in its shard (``ShardSet.write_run``: one
         system call for a run of small scales, up to ``FRONT_WRITE_BYTES``); ``_flush`` writes the run."""
-        if self._run_outs:
-            last = self._run_outs[-1]
+        if self._pending:
+            first, last = self._pending[0][0], self._pending[-1][0]
             if out.shard != last.shard or out.offset != last.offset + last.nbytes or \
-                    self._run_bytes + out.nbytes > FRONT_WRITE_BYTES:
+                    out.offset + out.nbytes - first.offset > FRONT_WRITE_BYTES:
                 self._flush()
-        self._run_outs.append(out)
-        self._run_data.append(x)
-        self._run_bytes += out.nbytes
+        self._pending.append((out, x))
 
     def _flush(self) -> None:
-        if self._run_outs:
-            outs, datas = self._run_outs, self._run_data
-            self._run_outs, self._run_data, self._run_bytes = [], [], 0
-            self.run.shards.write_run(outs, datas)
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self.run.shards.write_run([o for o, _ in pending], [x for _, x in pending])
 
     def _decoded_scales(self, piece: Slice, parts: dict) -> torch.Tensor | None:
         """The scales of a quantize job's slice stored quantized, from the decoder's row absmax

@@ -30,11 +30,11 @@ itself, once its other threads are done.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import os
-import atexit
-import contextlib
 import stat
 import subprocess
 import sys
@@ -98,8 +98,7 @@ def stock_parameter_sizes(config: dict, names: Sequence[str], *, use_cache: bool
         if sizes is False:
             raise NotComputed
     else:
-        params = _build(config)
-        sizes = None if params is None else {n: params.get(n, 0) for n in names}
+        sizes = _sizes_here(config, names)
     if sizes is None:
         return None
     if path is not None:
@@ -219,10 +218,20 @@ def _sizes_in_child(config: dict, names: list[str], children: ChildProcesses) ->
         return False
     if sizes is None:
         return None
-    if not isinstance(sizes, dict) or sorted(sizes) != names or \
-            not all(type(v) is int and v >= 0 for v in sizes.values()):
-        return False
-    return sizes
+    return sizes if _answers(sizes, names) else False
+
+
+def _sizes_here(config: dict, names: list[str]) -> dict[str, int] | None:
+    """The answer computed in this process: each name's element count (0: not a parameter), or None."""
+    params = _build(config)
+    return None if params is None else {n: params.get(n, 0) for n in names}
+
+
+def _answers(sizes, names: list[str]) -> bool:
+    """Whether ``sizes`` (read from a cache entry or a child) answers the question about ``names``: exactly those
+    names, each with a non-negative integer count."""
+    return isinstance(sizes, dict) and sorted(sizes) == names and \
+        all(type(v) is int and v >= 0 for v in sizes.values())
 
 
 def _build(config: dict) -> dict[str, int] | None:
@@ -304,9 +313,7 @@ def _read(path: Path, key: str, names: list[str]) -> dict[str, int] | None:
     if not isinstance(entry, dict) or entry.get("key") != key:
         return None
     sizes = entry.get("sizes")
-    if not isinstance(sizes, dict) or sorted(sizes) != names:
-        return None
-    if not all(type(v) is int and v >= 0 for v in sizes.values()):
+    if not _answers(sizes, names):
         return None
     if entry.get("sha256") != _digest(key, sizes):
         return None
@@ -338,8 +345,7 @@ def _child() -> None:
     """``python -m expq.formats.stock_model``: ``{"config", "names"}`` as JSON on stdin, ``{"sizes": {name: count}
     | null}`` on stdout (``_sizes_in_child``)."""
     q = json.loads(sys.stdin.buffer.read())
-    params = _build(q["config"])
-    sys.stdout.write(json.dumps({"sizes": None if params is None else {n: params.get(n, 0) for n in q["names"]}}))
+    sys.stdout.write(json.dumps({"sizes": _sizes_here(q["config"], q["names"])}))
 
 
 if __name__ == "__main__":
