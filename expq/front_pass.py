@@ -109,11 +109,19 @@ positional write into a shard the pipelines are writing too takes the file's loc
 pass's 384 scale writes of a Qwen3 layer (3 KB each) took 2.4 s of its 8.3, one at a time."""
 
 OWN_POOL_MIN_ELEMS = 16 * CPU_BLOCK_ELEMS
-"""The smallest slice whose scales a GPU run's front pass spreads over its own pool: one row block
-(``scheme.CPU_BLOCK_ELEMS``) per thread of a 16-core host. Below it, handing the blocks to the pool and waiting for
-them costs more than computing them on the front pass's thread (measured on the 2-core runner: 0.26 against 0.48 ms
-for a Qwen3 expert matrix, 768 x 2048, and 0.58 against 1.00 ms for 2048 x 2048); per-expert families, whose
-matrices are small, run this way, and their front pass goes through thousands of them."""
+"""The smallest slice whose scales the front pass spreads over the pool by row blocks (``scheme.CPU_BLOCK_ELEMS``,
+one per thread of a 16-core host). Below it, handing one matrix's blocks to the pool and waiting for them costs more
+than computing them on one thread (measured on the 2-core runner: 0.26 against 0.48 ms for a Qwen3 expert matrix,
+768 x 2048, and 0.58 against 1.00 ms for 2048 x 2048): smaller slices go to the pool whole, many at a time
+(``FRONT_BATCH_ELEMS``). Per-expert families, whose matrices are small, run this way, and their front pass goes
+through thousands of them."""
+
+FRONT_BATCH_ELEMS = 64 * CPU_BLOCK_ELEMS
+"""The most elements of small slices (under ``OWN_POOL_MIN_ELEMS``, of a float source) whose scales the front pass
+hands to the pool at once, one slice per task, before it writes their outputs in order. One at a time, the front
+pass of a per-expert family ran at about the speed of the pipelines (the H200, Qwen3 shape: 8.2 s for 4,608
+matrices beside pipelines of 11 s, 6.2 CPU s of it on the one thread), so that a shard's hash could not start until
+4.5 s into the run; over the pool it keeps the lead that lets the hash follow the codes."""
 
 
 class FrontPass:
@@ -148,6 +156,8 @@ class FrontPass:
         self._ahead = units_ahead(units, lookahead_bytes(run.plan))
         self._own: parallel.Pool | None = None  # a GPU run's pool for the front pass's CPU scales (``_main``)
         self._pending: list[tuple[OutTensor, torch.Tensor]] = []  # back to back in a shard, not yet written (``_put``)
+        self._batch: list[tuple[Job, Slice, set[str]]] = []  # small slices claimed, not yet computed (``_run_batch``)
+        self._batch_elems = 0
         self.thread = threading.Thread(target=self._main, name="expq-front", daemon=True)
 
     def start(self) -> None:
@@ -169,6 +179,7 @@ class FrontPass:
                     own or nullcontext(), parallel.local(own), parallel.first():
                 for k, unit in enumerate(self.units):
                     if self._ahead[k] > self.run.units_taken:  # about to wait: what is done goes out first
+                        self._run_batch()
                         self._flush()
                     self.run.wait_taken(self._ahead[k])
                     front = self.run.front
@@ -179,6 +190,7 @@ class FrontPass:
                             raise Halt
                         if index in self.run.front and self.run.claim(index, "front"):
                             self._job(index, job)
+                self._run_batch()
                 self._flush()
         except Halt:
             pass
@@ -192,12 +204,22 @@ class FrontPass:
 
     def _job(self, index: int, job: Job) -> None:
         run, plan, src = self.run, self.run.plan, job.tensor
+        device = self._device(job)
+        front = {o.name for o in run.front[index]}
+        if job.kind is JobKind.QUANTIZE and device.type == "cpu" and not src.decoded and \
+                all(math.prod(p.tensor.shape) < OWN_POOL_MIN_ELEMS for p in job.slices):
+            for piece in job.slices:  # computed with others over the pool, written in order (``_run_batch``)
+                self._batch.append((job, piece, front))
+                self._batch_elems += math.prod(piece.tensor.shape)
+            if self._batch_elems >= FRONT_BATCH_ELEMS:
+                self._run_batch()
+            return
+        self._run_batch()  # what lies before this job's outputs goes out first
         if job.kind is not JobKind.QUANTIZE:  # written at once, in the order the outputs lie: the run before first
             self._flush()
         if job.kind is JobKind.COPY:
             run_copy(plan, job, run.shards)
             return
-        device = self._device(job)
         if job.kind is JobKind.DECODE:
             parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
             t = plan.source.decoder.decode(src, parts.__getitem__, device=None if device.type == "cpu" else device) \
@@ -206,17 +228,40 @@ class FrontPass:
             check_decoded(job, t, run.allow_nonfinite)
             run.shards.write(job.outputs[0], t.cpu())
             return
-        front = {o.name for o in run.front[index]}
         for piece in job.slices:  # a stacked tensor slice by slice: what is mapped and computed stays bounded
             if self.run.halted():
                 raise Halt
             # a slice of fewer than OWN_POOL_MIN_ELEMS: on this thread (its own pool costs more than it gives)
             small = self._own is not None and math.prod(piece.tensor.shape) < OWN_POOL_MIN_ELEMS
             with parallel.local(None) if small else nullcontext():
-                self._slice(job, piece, device, front)
+                for o, x in self._slice(job, piece, device, front):
+                    self._put(o, x)
 
-    def _slice(self, job: Job, piece: Slice, device: torch.device, front: set[str]) -> None:
-        """Write the front outputs of one slice of a quantize job: its matrices' scales, encoded by the format."""
+    def _run_batch(self) -> None:
+        """Compute the scales of the small slices gathered in ``_batch`` over the pool, one slice per task (each
+        computed whole on its worker: ``whole``), then write their front outputs in the order they lie."""
+        batch, self._batch, self._batch_elems = self._batch, [], 0
+        if not batch:
+            return
+        if self.run.halted():
+            raise Halt
+        cpu = torch.device("cpu")
+        done: list = [None] * len(batch)
+
+        def task(i: int) -> None:
+            job, piece, front = batch[i]
+            done[i] = self._slice(job, piece, cpu, front, whole=True)
+
+        parallel.each(task, range(len(batch)))
+        for outputs in done:
+            for o, x in outputs:
+                self._put(o, x)
+
+    def _slice(self, job: Job, piece: Slice, device: torch.device, front: set[str],
+               whole: bool = False) -> list[tuple[OutTensor, torch.Tensor]]:
+        """The front outputs of one slice of a quantize job, in the order they lie: its matrices' scales, encoded
+        by the format (CPU tensors). ``whole``: the scales of a float slice on this thread, not by row blocks over
+        the pool (a task of ``_run_batch``)."""
         plan, src = self.run.plan, piece.tensor
         parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
         # a quantized source's scales from the decoder's row absmax wherever it offers it (one read on the CPU's
@@ -230,16 +275,16 @@ class FrontPass:
             parts.clear()
             w = piece.expert.to_rows(t.to(device).to(plan.compute_dtype)).contiguous()
             del t
-            scales = matrix_scales(w)
+            scales = matrix_scales(w, block_elems=w.numel() if whole else None)
             del w
         del parts
         # the codes: not part of the front
         stub = torch.zeros(1, dtype=torch.int8, device=device).expand(len(scales), piece.expert.matrices[0].cols)
+        out = []
         for group, tensors in zip(job.groups_of(piece), plan.format.encode(stub, scales, piece.expert.matrices)):
             outs = [o for o in group if o.value is None]
-            for o, (_, x) in zip(outs, tensors):
-                if o.name in front:
-                    self._put(o, x.cpu())
+            out += [(o, x.cpu()) for o, (_, x) in zip(outs, tensors) if o.name in front]
+        return out
 
     def _put(self, out: OutTensor, x: torch.Tensor) -> None:
         """Write ``out`` with the front outputs that lie right before it in its shard (``ShardSet.write_run``: one

@@ -203,14 +203,15 @@ def quantize_matrix(w: torch.Tensor, block_elems: int | None = None) -> tuple[to
     return codes, scales, inspect_rows(amax, scales)
 
 
-def matrix_scales(w: torch.Tensor) -> torch.Tensor:
+def matrix_scales(w: torch.Tensor, block_elems: int | None = None) -> torch.Tensor:
     """The scales ``quantize_matrix(w)`` returns (NaN stored canonical), without computing the codes: one pass of
-    the absmax. [rows] in ``w.dtype``.
+    the absmax. [rows] in ``w.dtype``. ``block_elems`` as ``quantize_matrix``'s (``w.numel()``: the whole matrix in
+    this thread, e.g. from a task of the pool).
 
     Raises:
         ValueError: ``w`` is not 2-D or not a float tensor.
     """
-    return _quantize(w, None, with_codes=False)[1]
+    return _quantize(w, block_elems, with_codes=False)[1]
 
 
 def _quantize(w: torch.Tensor, block_elems: int | None, with_codes: bool):

@@ -158,7 +158,7 @@ def test_what_a_job_holds_at_once_is_bounded_by_the_budget(sources, name, tmp_pa
 
     monkeypatch.setattr(pipeline, "read_tensor", read)
     monkeypatch.setattr(pipeline, "quantize_matrix", lambda w: real_q(note("quantized", w)))
-    monkeypatch.setattr(front_pass, "matrix_scales", lambda w: real_s(note("front", w)))
+    monkeypatch.setattr(front_pass, "matrix_scales", lambda w, **kw: real_s(note("front", w), **kw))
     if name.endswith("mxfp4"):
         real_decode = dec_cls.decode
         monkeypatch.setattr(dec_cls, "decode", lambda self, t, read, device=None:
