@@ -109,19 +109,21 @@ positional write into a shard the pipelines are writing too takes the file's loc
 pass's 384 scale writes of a Qwen3 layer (3 KB each) took 2.4 s of its 8.3, one at a time."""
 
 OWN_POOL_MIN_ELEMS = 16 * CPU_BLOCK_ELEMS
-"""The smallest slice whose scales the front pass spreads over the pool by row blocks (``scheme.CPU_BLOCK_ELEMS``,
-one per thread of a 16-core host). Below it, handing one matrix's blocks to the pool and waiting for them costs more
-than computing them on one thread (measured on the 2-core runner: 0.26 against 0.48 ms for a Qwen3 expert matrix,
-768 x 2048, and 0.58 against 1.00 ms for 2048 x 2048): smaller slices go to the pool whole, many at a time
-(``FRONT_BATCH_ELEMS``). Per-expert families, whose matrices are small, run this way, and their front pass goes
-through thousands of them."""
+"""The smallest slice whose scales a GPU run's front pass spreads over its own pool by row blocks
+(``scheme.CPU_BLOCK_ELEMS``, one per thread of a 16-core host). Below it, handing one matrix's blocks to the pool and
+waiting for them costs more than computing them on one thread (measured on the 2-core runner: 0.26 against 0.48 ms
+for a Qwen3 expert matrix, 768 x 2048, and 0.58 against 1.00 ms for 2048 x 2048): smaller slices go to the pool
+whole, many at a time (``FRONT_BATCH_ELEMS``). Per-expert families, whose matrices are small, run this way, and
+their front pass goes through thousands of them."""
 
 FRONT_BATCH_ELEMS = 64 * CPU_BLOCK_ELEMS
-"""The most elements of small slices (under ``OWN_POOL_MIN_ELEMS``, of a float source) whose scales the front pass
-hands to the pool at once, one slice per task, before it writes their outputs in order. One at a time, the front
-pass of a per-expert family ran at about the speed of the pipelines (the H200, Qwen3 shape: 8.2 s for 4,608
-matrices beside pipelines of 11 s, 6.2 CPU s of it on the one thread), so that a shard's hash could not start until
-4.5 s into the run; over the pool it keeps the lead that lets the hash follow the codes."""
+"""The most elements of small slices (under ``OWN_POOL_MIN_ELEMS``, of a float source) whose scales a GPU run's
+front pass hands to its own pool at once, one slice per task, before it writes their outputs in order. One at a
+time, the front pass of a per-expert family ran at about the speed of the pipelines (the H200, Qwen3 shape: 8.2 s
+for 4,608 matrices beside pipelines of 11 s, 6.2 CPU s of it on the one thread), so that a shard's hash could not
+start until 4.5 s into the run; over the pool it keeps the lead that lets the hash follow the codes. Not on a CPU
+run: there the pool is the pipelines' own, and batches taken first (``parallel.first``) held both cores of the
+2-core runner for the front pass while the pipelines waited (OLMoE: the first unit's codes 49 s in)."""
 
 
 class FrontPass:
@@ -206,7 +208,7 @@ class FrontPass:
         run, plan, src = self.run, self.run.plan, job.tensor
         device = self._device(job)
         front = {o.name for o in run.front[index]}
-        if job.kind is JobKind.QUANTIZE and device.type == "cpu" and not src.decoded and \
+        if self._own is not None and job.kind is JobKind.QUANTIZE and device.type == "cpu" and not src.decoded and \
                 all(math.prod(p.tensor.shape) < OWN_POOL_MIN_ELEMS for p in job.slices):
             for piece in job.slices:  # computed with others over the pool, written in order (``_run_batch``)
                 self._batch.append((job, piece, front))
@@ -238,8 +240,9 @@ class FrontPass:
                     self._put(o, x)
 
     def _run_batch(self) -> None:
-        """Compute the scales of the small slices gathered in ``_batch`` over the pool, one slice per task (each
-        computed whole on its worker: ``whole``), then write their front outputs in the order they lie."""
+        """Compute the scales of the small slices gathered in ``_batch`` over the front pass's own pool (a GPU
+        run's), one slice per task (each computed whole on its worker: ``whole``), then write their front outputs in
+        the order they lie."""
         batch, self._batch, self._batch_elems = self._batch, [], 0
         if not batch:
             return

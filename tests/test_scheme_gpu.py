@@ -75,3 +75,22 @@ def test_convert_on_gpu_equals_cpu(family, tmp_path, tmp_path_factory):
         devs = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
         expq.convert(src, tmp_path / "multi", device=devs, max_shard_size="40KB")
         assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "multi")
+
+
+@pytest.mark.parametrize("batch_elems", [1, 1 << 40])  # a batch per slice; one batch per unit
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe"])  # per-expert tensors; stacked ones, by slices
+def test_front_pass_batches_on_gpu_equal_cpu(family, batch_elems, tmp_path, tmp_path_factory, monkeypatch):
+    """experts-int8 on the GPU: the front pass computes the scales of small slices over its own pool, many at a
+    time (``front_pass.FRONT_BATCH_ELEMS``), and writes them in order: the shards equal the CPU's byte for byte."""
+    from expq import front_pass
+
+    src = example(tmp_path_factory, family)
+    expq.convert(src, tmp_path / "cpu", device="cpu", format="experts-int8", max_shard_size="40KB")
+    monkeypatch.setattr(front_pass, "FRONT_BATCH_ELEMS", batch_elems)
+    batches = []
+    real = front_pass.FrontPass._run_batch
+    monkeypatch.setattr(front_pass.FrontPass, "_run_batch", lambda self: (batches.append(len(self._batch)),
+                                                                          real(self))[1])
+    expq.convert(src, tmp_path / "gpu", device="cuda", format="experts-int8", max_shard_size="40KB")
+    assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "gpu")
+    assert max(batches) >= (1 if batch_elems == 1 else 2)  # the batched path ran
