@@ -172,7 +172,7 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                     identity.stop()
                 if shards is not None:
                     shards.close_all()
-                keep_or_discard(e, outdir, len(shards.closed) if shards is not None else 0, len(plan.shard_names))
+                keep_or_discard(e, plan, outdir, len(shards.closed) if shards is not None else 0)
                 raise
         return make_report(plan, outdir, man, devices, time.perf_counter() - t0, stream_peak_bytes=_peak(feeder))
     except KeyboardInterrupt as e:  # a signal outside the run (cli: ``interrupts.raise_on_signals``)

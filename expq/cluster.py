@@ -487,7 +487,7 @@ class _RayRun:
             check_unchanged(plan.source, self.stamps)
             outdir.commit()
         except BaseException as e:
-            keep_or_discard(e, outdir, self.finished, len(plan.shard_names))
+            keep_or_discard(e, plan, outdir, self.finished)
             raise
         return self._report(outdir, man, t0)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .engines.clients import stock_transformers_misloads
-from .errors import Interrupted, SourceError, UsageError, option, resumable
+from .errors import ExpqError, Interrupted, SourceError, UsageError, option, resumable
 from .formats import FORMATS
 from .interrupts import as_interrupted, interrupted_outside_run
 from .layouts import Layout
@@ -238,22 +238,32 @@ def check_unchanged(src: Source, stamps: dict[str, tuple]) -> None:
                               "committed: re-run once the source is complete", file=str(src.root / rel))
 
 
-def keep_or_discard(e: BaseException, outdir: OutputDir, kept: int, total: int) -> None:
+def keep_or_discard(e: BaseException, plan: Plan, outdir: OutputDir, kept: int) -> None:
     """After a failed run: keep staging and journal when the same command resumes (``errors.resumable``; after an
-    interrupt, raises ``Interrupted`` saying how many of ``total`` shards are kept), else remove them; after the
-    commit, nothing (an interrupt then says that OUT is complete). The caller re-raises ``e``."""
+    interrupt, raises ``Interrupted`` saying how many of the plan's shards are kept), else remove them; after the
+    commit, nothing (an interrupt then says that OUT is complete). An interrupt's line promises a resume only as far
+    as the plan's checks allow (``Plan.checks_verdict``): one that found a problem makes it say the refusal a re-run
+    would meet (nothing is kept), one not yet done makes the resume conditional. The caller re-raises ``e``."""
     stop = as_interrupted(e)
     if outdir.committed:
         if stop is not None:
             raise interrupted_outside_run(stop, committed=True) from None
         return
-    if resumable(e) and outdir.settled:
+    verdict = plan.checks_verdict() if stop is not None else True
+    refused = verdict if isinstance(verdict, ExpqError) else None  # the error the run would have stopped for
+    if resumable(e) and outdir.settled and refused is None:
         outdir.release()  # staging and journal stay: the same command resumes
         if stop is not None:
-            raise Interrupted(stop.signum, f"interrupted by {_name(stop)}; {kept} of {total} shards are kept: "
-                                           "re-run the same command to resume") from None
+            resume = "re-run the same command to resume" if verdict is True else (
+                "re-run the same command to resume it if the check of the output against transformers' model "
+                "class, not finished when the signal came, passes")
+            raise Interrupted(stop.signum, f"interrupted by {_name(stop)}; {kept} of {len(plan.shard_names)} "
+                                           f"shards are kept: {resume}") from None
     else:
         outdir.discard()
+        if refused is not None:
+            raise Interrupted(stop.signum, f"interrupted by {_name(stop)}; nothing is kept, as the same command "
+                                           f"would be refused: {refused}") from None
         if stop is not None:  # before the source's identity was settled: nothing a re-run could trust
             raise Interrupted(stop.signum, f"interrupted by {_name(stop)} before the source's identity was "
                                            "recorded; nothing is kept: re-run the same command to start again") from None

@@ -156,6 +156,14 @@ class Plan:
         pipelines stop for it (``pipeline.Run.halted``) rather than convert what cannot be committed."""
         return self.model_check is not None and self.model_check.failed()
 
+    def checks_verdict(self) -> BaseException | bool | None:
+        """What the checks ``make_plan`` left running have found so far (an interrupted conversion says it, so that
+        its line never promises a resume that a re-run would refuse): True when they passed (or none was left
+        running), the error ``finish_checks`` would raise when one found a problem, None while not yet known."""
+        if self.model_check is None:
+            return True
+        return self.model_check.verdict()
+
     @property
     def model_type(self) -> str | None:
         return self.source.config.get("model_type")
@@ -399,6 +407,12 @@ class ModelCheck:
         """Done, and found a problem (or raised)."""
         return self._error is not None
 
+    def verdict(self) -> BaseException | bool | None:
+        """The error it found (or raised), True when done without one, None while not done."""
+        if self._error is not None:
+            return self._error
+        return None if self._here or self._thread.is_alive() else True
+
     def wait(self, stop: threading.Event | None = None) -> None:
         """Block until the check is done (or ``stop`` is set: then return at once), then raise what it found. Where
         the child gave no answer, the check is computed now (the caller's pipelines are done), on a thread of its own
@@ -406,9 +420,9 @@ class ModelCheck:
         if not self._join(stop):
             return
         if self._here:
-            self._here = False
             self._thread = threading.Thread(target=self._compute_here, name="expq-model-check", daemon=True)
             self._thread.start()
+            self._here = False  # after the start: ``verdict`` never sees a finished thread and no answer as done
             if not self._join(stop):
                 return
         if self._error is not None:

@@ -432,3 +432,56 @@ def test_a_stop_is_seen_while_the_check_is_computed_here():
     with pytest.raises(LayoutError, match="late problem") as e:  # negative control: no stop, the finding
         check.wait(threading.Event())
     assert "late.toml" in str(e.value)
+
+
+# A check that has not answered when the first tensor is written (``pending``: it never answers) or that refuses
+# then (``refused``: it waits for that write); the process signals itself at that write, once the refusal is known.
+CHECK_AT_FIRST_WRITE = """
+import os, signal, threading, time
+import expq.plan
+from expq.errors import LayoutError
+from expq.output.faults import Faults
+expq.plan.BACKGROUND_CHECK_MIN_BYTES = 0
+VERDICT, checks, writing = {verdict!r}, [], threading.Event()
+init = expq.plan.ModelCheck.__init__
+def recorded(self, *a):
+    checks.append(self)
+    init(self, *a)
+def check(fmt, config):
+    (writing if VERDICT == "refused" else threading.Event()).wait()  # pending: never answers
+    raise LayoutError("marker m is not a weight of the model", file="bogus.toml")
+hit = Faults.hit
+def at_write(self, point):
+    if point == "write" and not writing.is_set():
+        writing.set()
+        while VERDICT == "refused" and not checks[0].failed():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+    return hit(self, point)
+expq.plan.ModelCheck.__init__, expq.plan._check_model, Faults.hit = recorded, check, at_write
+"""
+
+
+@pytest.mark.parametrize("verdict", ["pending", "refused"])
+def test_an_interrupt_promises_no_resume_the_check_refuses(verdict, mixtral, tmp_path, monkeypatch):
+    """SIGINT while the marker check is still running: the line makes the resume depend on it and the finished
+    shards are kept; once it has refused the source: the line says the refusal (what the re-run would say), and
+    nothing is kept (there is nothing to resume)."""
+    from helpers import start_cli
+
+    src = mixtral[0]
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    p = start_cli("convert", src, tmp_path / "out", "--format", "experts-int8", "--device", "cpu",
+                  prelude=CHECK_AT_FIRST_WRITE.format(verdict=verdict))
+    text, _ = p.communicate(timeout=120)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 130 and len(errors) == 1 and "Traceback" not in text, text
+    left = sorted(q.name for q in tmp_path.iterdir() if q.name != "cache")
+    if verdict == "pending":
+        assert errors[0].endswith("re-run the same command to resume it if the check of the output against "
+                                  "transformers' model class, not finished when the signal came, passes"), text
+        assert left == [".out.expq-journal.json", ".out.expq-partial"]
+    else:
+        assert errors[0] == ("error: interrupted by SIGINT; nothing is kept, as the same command would be refused: "
+                             "file bogus.toml: marker m is not a weight of the model"), text
+        assert left == []
