@@ -533,3 +533,24 @@ def test_config_json_not_an_object(tmp_path, tmp_path_factory):
     (src / "config.json").write_text("[1, 2]")
     code, text = run_cli("inspect", src)
     assert code == 1 and "must hold a JSON object" in text
+
+
+@pytest.mark.skipif(not Path("/proc/self/mountinfo").exists() or not Path("/sys/kernel").is_dir(),
+                    reason="needs Linux's /proc and /sys")
+def test_out_in_a_kernel_filesystem_names_it(tmp_path, tmp_path_factory):
+    """OUT under /proc or /sys: the line names the filesystem, not the errno the kernel gives there ("No such file or
+    directory" for a /proc folder that is plainly there, "Permission denied" even to root); found by a hostile-user
+    pass."""
+    from expq.io.files import kernel_filesystem
+
+    assert kernel_filesystem(tmp_path / "out") is None  # a folder of files: its own errno is the reason
+    src = example(tmp_path_factory, "mixtral")
+    code, text = cli_process("convert", src, "/proc/self/out", "--device", "cpu")
+    assert code == 2 and text.splitlines()[-1] == (
+        "error: file /proc/self/out: cannot write beside OUT in /proc/self (it is in the kernel's proc filesystem, "
+        "where no file can be made): expq keeps its lock, journal and partial output there"), text
+    with pytest.raises(UsageError) as e:
+        expq.convert(src, "/sys/kernel/expq-test/out", device="cpu")
+    assert str(e.value) == ("file /sys/kernel/expq-test/out: cannot write beside OUT in /sys/kernel/expq-test (it is "
+                            "in the kernel's sysfs filesystem, where no file can be made): expq keeps its lock, "
+                            "journal and partial output there")

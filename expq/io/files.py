@@ -196,6 +196,31 @@ def is_mount_point(path: Path) -> bool:
     return os.fsencode(os.path.realpath(path)) in points
 
 
+KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+                                "bpf", "configfs", "efivarfs", "fusectl", "binfmt_misc", "devpts", "mqueue", "nsfs"})
+"""Filesystems through which the kernel shows its own state: no file or folder of a user's can be made there."""
+
+
+def kernel_filesystem(path: Path) -> str | None:
+    """The type of the filesystem ``path`` (or, as it resolves, its nearest existing ancestor) is on, where it is
+    one of ``KERNEL_FILESYSTEMS`` (``proc`` for ``/proc/self/out``), else None (also where the mount table cannot be
+    read): there, making a file fails with an errno that says nothing true (``/proc``: "No such file or
+    directory")."""
+    here = os.fsencode(os.path.realpath(path))
+    best, kind = b"", None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields, sep, rest = line.partition(b" - ")
+                point = _unescape(fields.split(b" ")[4]) if sep else b""
+                inside = here == point or here.startswith(point.rstrip(b"/") + b"/")
+                if sep and inside and len(point) >= len(best):  # the longest; of equal ones the last (on top)
+                    best, kind = point, os.fsdecode(rest.split(b" ")[0])
+    except (OSError, IndexError):
+        return None
+    return kind if kind in KERNEL_FILESYSTEMS else None
+
+
 def _unescape(field: bytes) -> bytes:
     """A mountinfo path field: spaces, tabs, newlines and backslashes are written as octal escapes."""
     out, i = bytearray(), 0

@@ -141,6 +141,19 @@ def _not_a_folder(path: Path) -> Path | None:
     return None
 
 
+def _why_not_writable(folder: Path, e: OSError) -> str:
+    """Why nothing could be made in ``folder`` (``e``: the error of making it, or a file in it), in true words: a
+    file where a folder of the path should be, or a filesystem of the kernel's (``/proc``, ``/sys``: their errno
+    says "No such file or directory" or "Permission denied"), else ``e``'s own text."""
+    blocker = _not_a_folder(folder)
+    if blocker is not None:
+        return f"{blocker} is not a folder"
+    kind = files.kernel_filesystem(folder)
+    if kind is not None:
+        return f"it is in the kernel's {kind} filesystem, where no file can be made"
+    return e.strerror or str(e)
+
+
 class OutputDir:
     """The output directory, its staging folder, journal and lock (see the module docstring).
 
@@ -177,8 +190,7 @@ class OutputDir:
             parent.mkdir(parents=True, exist_ok=True)
             self._lock_fd = files.take_lock(self.lock_path, self.out)
         except OSError as e:
-            blocker = _not_a_folder(parent)
-            why = f"{blocker} is not a folder" if blocker is not None else (e.strerror or str(e))
+            why = _why_not_writable(parent, e)
             raise UsageError(f"cannot write beside OUT in {parent} ({why}): expq keeps its lock, journal and partial "
                              "output there", file=str(self.out)) from None
         self._journal_lock = threading.Lock()
