@@ -71,7 +71,9 @@ def visible(text: str, *, one_line: bool = False) -> str:
 
 
 class ExpqError(Exception):
-    """A user-facing error. ``str(err)`` is one line that names where the problem is.
+    """A user-facing error. ``str(err)`` is one line that names where the problem is, its user text (a path, a
+    tensor name from a checkpoint) shown as expq prints it (``visible``, one line): whoever prints it (the command
+    line, vLLM's log of the plugin's error, a Ray driver) prints no control character and no forged line.
 
     Attributes ``file``, ``tensor``, ``expert`` and ``row`` hold the location (``None`` where it does not apply),
     so that callers can act on them without parsing the message.
@@ -108,7 +110,7 @@ class ExpqError(Exception):
         line = f"{', '.join(where)}: {self.message}" if where else self.message
         if self.hint:
             line += f" ({self.hint})"
-        return line.replace("\n", " ")
+        return visible(line, one_line=True)
 
 
 def _rebuild(cls: type, state: dict) -> ExpqError:
@@ -195,7 +197,7 @@ class HubError(SourceError):
         if self.file is not None:
             where += f", file {self.file}"
         line = f"{where}: {self.message}" + (f" ({self.hint})" if self.hint else "")
-        return line.replace("\n", " ")
+        return visible(line, one_line=True)
 
 
 class HubNotFoundError(HubError):

@@ -250,6 +250,32 @@ def test_wrong_dtype_and_duplicates_refused(converted):
         loader.load(0, "down", "scale", scales, "w2.weight_scale")
 
 
+def test_user_text_in_the_plugins_errors_is_one_escaped_line(converted, tmp_path, monkeypatch):
+    """What vLLM prints of the plugin's errors (``str``: vLLM has no expq command line to escape it): a checkpoint's
+    tensor name and a model path holding a carriage return, a newline and an escape sequence are shown escaped, on
+    one line (they were printed raw: a forged log line, a coloured or erased terminal); found by a hostile-user
+    pass."""
+    import shutil
+
+    _, ck, layers = converted("mixtral")
+    L = ck.moe_layers[0]
+    codes, _ = layers[L].matrix(0, "down")
+    hostile = "w2.weight_int8\r\x1b[2K\nERROR forged"
+    with pytest.raises(ExpqError) as ei:
+        _loaders(ck, layers)[L].load(0, "down", "codes", codes.to(torch.int16), hostile)
+    assert str(ei.value) == "tensor w2.weight_int8\\r\\x1b[2K\\nERROR forged, expert 0: codes must be int8, got " \
+                            "torch.int16"
+    assert ei.value.tensor == hostile  # the attribute keeps the name itself, for callers that act on it
+    path = tmp_path / "ckpt\nERROR forged\x1b[31m"
+    shutil.copytree(ck.root, path)
+    monkeypatch.setattr(plugin, "QUANT_METHOD", "another_method")  # served as a method the checkpoint is not
+    with pytest.raises(ExpqError) as ei:
+        list(plugin.routed_weights(iter([("model.embed_tokens.weight", torch.zeros(2))]),
+                                   SimpleNamespace(model=str(path), dtype=torch.bfloat16), None))
+    assert str(ei.value).startswith(f"{tmp_path}/ckpt\\nERROR forged\\x1b[31m is served as another_method but its "
+                                    "format is experts-int8"), str(ei.value)
+
+
 def test_intermediate_not_divisible_by_tp(converted):
     _, ck, layers = converted("dbrx")
     L = ck.moe_layers[0]
