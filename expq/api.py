@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import cluster
-from .conversion import (BackgroundIdentity, ConvertReport, check_unchanged, command_line, hash_in_background,
-                         keep_or_discard, make_report, plan_conversion, run_settings,
-                         source_stamps, write_side_files)
+from .conversion import (BackgroundIdentity, ConvertReport, command_line, hash_in_background, keep_or_discard,
+                         make_report, plan_conversion, run_settings, source_stamps, write_and_commit)
 from .devices import parse_devices, warm_up
 from .errors import UsageError, resumable
 from .interrupts import committed_now, conversion_committed, interrupted_outside_run, stop_on_signals
@@ -160,12 +159,9 @@ def convert(src: str | Path, out: str | Path | None = None, *, format: str = DEF
                     if identity is not None:
                         identity.wait(stop)
                     plan.finish_checks(stop)
-                    man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint,
-                                           command_line(plan, dtype, allow_nonfinite, layout is not None))
-                    check_unchanged(source, stamps)
-                    if stop.is_set():  # a signal after the run's last look: not committed
-                        raise stop.interrupted()
-                    outdir.commit()
+                    man = write_and_commit(plan, outdir, stats, allow_nonfinite=allow_nonfinite, stamps=stamps,
+                                           command=command_line(plan, dtype, allow_nonfinite, layout is not None),
+                                           stop=stop)
                 shards.close_all()  # every shard is closed and hashed by now: this stops the idle hasher thread
             except BaseException as e:
                 if identity is not None:

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .conversion import (ConvertReport, check_unchanged, command_line, keep_or_discard, make_report, plan_conversion,
-                         run_settings, source_stamps, write_side_files)
+from .conversion import (ConvertReport, command_line, keep_or_discard, make_report, plan_conversion, run_settings,
+                         source_stamps, write_and_commit, write_side_files)
 from .errors import ClusterError, ExpqError, HubOfflineError, Interrupted, UsageError, resumable
 from .hub.card import model_card
 from .hub.publish import prepare_repo, publish, upload_settings, upload_shards
 from .hub.push import hub_token as login_token
 from .hub.stream import StreamFeeder, streamed
-from .interrupts import StopSignal, stop_on_signals
+from .interrupts import StopSignal, keeping_handlers, stop_on_signals
 from .manifest import Manifest
 from .pipeline import RunStats
 from .plan import JobKind, Plan
@@ -225,7 +225,7 @@ def connected(address: str):
         return
     _check_reachable(address)
     try:
-        with _workers_import_this_expq():
+        with _workers_import_this_expq(), keeping_handlers():  # ray.init's SIGTERM handler: exit 15, no line
             if address == "local":
                 ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
             else:
@@ -443,7 +443,10 @@ class _RayRun:
         self.tasks: list[list[str]] = []
         self.finished = 0
 
-    def _run(self, groups: list[TaskGroup], *, dest: Path | None, upload: dict | None, on_shard) -> None:
+    def _run(self, groups: list[TaskGroup], *, dest: Path | None, upload: dict | None, on_shard,
+             stop: StopSignal) -> None:
+        """Run the tasks of ``groups``, handing each result to ``on_shard``; inside the caller's
+        ``stop_on_signals`` (``stop``), which goes on to its commit."""
         def on_result(group, results, findings):
             self.findings.update(findings)
             self.tasks.append([r.name for r in results])
@@ -453,15 +456,14 @@ class _RayRun:
             if self.on_progress:
                 self.on_progress(group.bytes_in, self.finished)
 
-        with stop_on_signals() as stop:
-            if self.on_plan:
-                self.on_plan(self.plan)
-            done_bytes = self.plan.bytes_in - sum(g.bytes_in for g in groups)
-            if self.on_progress and done_bytes:
-                self.on_progress(done_bytes, self.finished)
-            run_tasks(self.ray, self.plan, groups, dest=dest, listing=self.listing, upload=upload,
-                      device=self.device, allow_nonfinite=self.allow_nonfinite, fsync=self.fsync, stop=stop,
-                      on_result=on_result)
+        if self.on_plan:
+            self.on_plan(self.plan)
+        done_bytes = self.plan.bytes_in - sum(g.bytes_in for g in groups)
+        if self.on_progress and done_bytes:
+            self.on_progress(done_bytes, self.finished)
+        run_tasks(self.ray, self.plan, groups, dest=dest, listing=self.listing, upload=upload,
+                  device=self.device, allow_nonfinite=self.allow_nonfinite, fsync=self.fsync, stop=stop,
+                  on_result=on_result)
 
     def _report(self, outdir: OutputDir, man: Manifest, t0: float, **changes) -> ConvertReport:
         rep = make_report(self.plan, outdir, man, [f"ray ({self.device})"], time.perf_counter() - t0)
@@ -480,12 +482,13 @@ class _RayRun:
         self.finished = len(outdir.kept_files)
         finished_shards = {k for k, n in enumerate(plan.shard_names) if n in outdir.finished_files}
         try:
-            self._run(task_groups(plan, skip=finished_shards), dest=outdir.staging, upload=None,
-                      on_shard=lambda r, findings: outdir.record(r.name, jobs=findings, sha256=r.sha256))
-            man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
-                                   self.settings, self.command)
-            check_unchanged(plan.source, self.stamps)
-            outdir.commit()
+            with stop_on_signals() as stop:  # the commit too: a signal then waits for it (``write_and_commit``)
+                self._run(task_groups(plan, skip=finished_shards), dest=outdir.staging, upload=None,
+                          on_shard=lambda r, findings: outdir.record(r.name, jobs=findings, sha256=r.sha256),
+                          stop=stop)
+                man = write_and_commit(plan, outdir, RunStats(by_job=self.findings).finish(),
+                                       allow_nonfinite=self.allow_nonfinite, command=self.command,
+                                       stamps=self.stamps, stop=stop)
         except BaseException as e:
             keep_or_discard(e, plan, outdir, self.finished)
             raise
@@ -498,8 +501,9 @@ class _RayRun:
         plan = self.plan
         prepare_repo(repo_id, token, private=private)
         results: dict = {}
-        self._run(task_groups(plan), dest=None, upload=upload_settings(repo_id, token),
-                  on_shard=lambda r, findings: results.__setitem__(r.name, r))
+        with stop_on_signals() as stop:
+            self._run(task_groups(plan), dest=None, upload=upload_settings(repo_id, token),
+                      on_shard=lambda r, findings: results.__setitem__(r.name, r), stop=stop)
         outdir = OutputDir(here, fingerprint=self.settings)
         outdir.start()
         for k, name in enumerate(plan.shard_names):

@@ -312,6 +312,26 @@ def command_line(plan: Plan, dtype: str, allow_nonfinite: bool, layout_given: bo
     return shlex.join(parts)
 
 
+def write_and_commit(plan: Plan, outdir: OutputDir, stats: RunStats, *, allow_nonfinite: bool, command: str,
+                     stamps: dict[str, tuple], stop: threading.Event) -> Manifest:
+    """The end of every conversion into OUT, on this machine or from a Ray driver: the small files and expq.json
+    (``write_side_files``), the check that no source file changed (``check_unchanged``), a last look at ``stop``,
+    and the one commit. Called inside the run's ``interrupts.stop_on_signals``, so that a signal during the commit
+    only sets ``stop``: the commit completes (or fails) whole, and the interrupt is raised after it, saying that OUT
+    is the complete new checkpoint (``keep_or_discard``).
+
+    Raises:
+        as ``write_side_files``, ``check_unchanged`` and ``OutputDir.commit``; Interrupted: ``stop`` was set before
+        the commit (nothing committed).
+    """
+    man = write_side_files(plan, outdir, stats, allow_nonfinite, outdir.fingerprint, command)
+    check_unchanged(plan.source, stamps)
+    if stop.is_set():  # a signal after the run's last look: not committed
+        raise stop.interrupted()
+    outdir.commit()
+    return man
+
+
 def _source_card(source: Source) -> dict:
     """The source model card's YAML metadata (licence, language, pipeline tag...), if it has a README.md."""
     readme = source.root / "README.md"

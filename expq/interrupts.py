@@ -151,6 +151,24 @@ def ending_at_once(line: str = STARTING) -> Iterator[None]:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def keeping_handlers() -> Iterator[None]:
+    """Around a library call that installs handlers of its own for SIGINT, SIGTERM or SIGHUP (``ray.init``: a
+    SIGTERM handler that exits with status 15 and no line): the handlers from before come back afterwards, so that
+    a signal still ends expq as its other signals do. Outside the main thread, nothing (no handler can be
+    installed there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            if h is not None:  # None: installed from outside Python; left as it is
+                signal.signal(s, h)
+
+
 def end_on_signals(*, status: int | None = None, line: str | None = None) -> None:
     """From now on SIGINT, SIGTERM and SIGHUP end the process at once (``os._exit``), with ``status`` (None:
     128 + the signal), after writing ``line`` (``{signal}``: its name) on stderr: for a command line process

@@ -128,6 +128,78 @@ def test_rerun_after_driver_interrupt_redoes_only_missing_shards(tmp_path, tmp_p
     assert tree_digest(out) == single(tmp_path, src)
 
 
+class _SignalAfterRename:
+    """``os`` as ``expq.output.outdir`` sees it, except that the commit's rename onto ``out`` signals this process
+    right after it: the moment OUT is already the new checkpoint and the run has not yet recorded it."""
+
+    def __init__(self, out: Path, sig: int):
+        self.out, self.sig = out, sig
+
+    def rename(self, a, b):
+        os.rename(a, b)
+        if Path(b) == self.out:
+            os.kill(os.getpid(), self.sig)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_a_signal_during_the_drivers_commit_waits_for_it(tmp_path, tmp_path_factory, monkeypatch):
+    """SIGINT as the driver's commit renames the new checkpoint into place: the commit ends whole (no journal left)
+    and the interrupt says so; it was a KeyboardInterrupt mid-commit saying "1 of 1 shards are kept: re-run the same
+    command to resume" beside a committed OUT and a journal; found by a hostile-user pass."""
+    import expq.output.outdir
+
+    src = example(tmp_path_factory, "mixtral")
+    out = tmp_path / "ray"
+    monkeypatch.setattr(expq.output.outdir, "os", _SignalAfterRename(out.absolute(), signal.SIGINT))
+    with pytest.raises(Interrupted) as e:
+        expq.convert(src, out, device="cpu", max_shard_size=SHARD, ray="local")
+    monkeypatch.undo()
+    assert str(e.value) == "interrupted by SIGINT after the commit: OUT holds the complete new checkpoint; nothing " \
+                           "to resume" and e.value.exit_code == 130
+    assert sorted(os.listdir(tmp_path)) == ["ray"] and tree_digest(out) == single(tmp_path, src)
+
+
+def test_ray_init_leaves_expqs_signal_handlers(monkeypatch):
+    """``ray.init`` installs a SIGTERM handler in the driver (``sys.exit(15)``: a silent exit 15, or Ray's own crash
+    report, where expq says one line and exits 143); ``connected`` puts the process's handlers back."""
+    from expq.cluster import connected
+
+    def init(**kw):  # as ray.init does in a driver
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    mine = lambda signum, frame: None  # noqa: E731
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with connected("local"):
+            assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.slow
+def test_sigterm_after_the_drivers_commit_is_one_line_and_143(tmp_path, tmp_path_factory):
+    """The command line with ``--ray local`` (its own ``ray.init``): SIGTERM right after the commit's rename is the
+    one line saying OUT is complete, and 143 (it was a silent exit 15, Ray's SIGTERM handler)."""
+    from helpers import start_cli
+
+    src = example(tmp_path_factory, "mixtral")
+    out = tmp_path / "ray"
+    prelude = ("import os, signal\nreal = os.rename\ndef rename(a, b, *k, **kw):\n    real(a, b, *k, **kw)\n"
+               f"    if str(b) == {str(out)!r}:\n        os.kill(os.getpid(), signal.SIGTERM)\nos.rename = rename")
+    p = start_cli("convert", src, out, "--device", "cpu", "--max-shard-size", SHARD, "--ray", "local",
+                  prelude=prelude)
+    text, _ = p.communicate(timeout=300)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 143 and errors == ["error: interrupted by SIGTERM after the commit: OUT holds the complete "
+                                              "new checkpoint; nothing to resume"], text
+    assert sorted(os.listdir(tmp_path)) == ["ray"] and tree_digest(out) == single(tmp_path, src)
+
+
 # --- Hub to Hub -------------------------------------------------------------------------------------------------------
 SRC_REPO, DST_REPO = "org/ray-mixtral", "test-user/ray-mixtral-int8"
 
