@@ -118,13 +118,13 @@ def marked(owner, name: str, label, when: str = "end") -> None:
 
 def timeline() -> None:
     marked(pipeline.Run, "unit_taken", lambda run, r: f"read threads took unit {run.units_taken}")
-    marked(pipeline.Run, "wait_taken", lambda run, n, r: f"front pass starts unit {n + 1}")
+    marked(pipeline.Run, "wait_taken", lambda run, n, r: f"front pass: the read threads have taken {n} unit(s)")
     marked(shards.ShardSet, "_open", lambda ss, k, r: f"shard {k + 1} opened")
     marked(shards.ShardSet, "_fsync", lambda ss, k, fd, r: f"shard {k + 1}: last tensor written", when="start")
     marked(shards.ShardSet, "_close", lambda ss, k, hs, r: f"shard {k + 1} hashed, synced, recorded")
     marked(expq.api, "run_plan", lambda *a: "pipelines returned")
     marked(conversion.BackgroundIdentity, "wait", lambda *a: "source identity ready")
-    marked(expq.api, "write_side_files", lambda *a: "side files written")
+    marked(conversion, "write_side_files", lambda *a: "side files written")  # called by write_and_commit
     marked(outdir.OutputDir, "commit", lambda *a: "committed")
     init = shards.ShardSet.__init__
 

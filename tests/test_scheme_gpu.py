@@ -93,4 +93,5 @@ def test_front_pass_batches_on_gpu_equal_cpu(family, batch_elems, tmp_path, tmp_
                                                                           real(self))[1])
     expq.convert(src, tmp_path / "gpu", device="cuda", format="experts-int8", max_shard_size="40KB")
     assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "gpu")
-    assert max(batches) >= (1 if batch_elems == 1 else 2)  # the batched path ran
+    # the batched path ran; a unit of per-expert tensors is many small slices (granitemoe's: one stacked tensor)
+    assert max(batches) >= (2 if family == "qwen3_moe" and batch_elems > 1 else 1)
