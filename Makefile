@@ -44,10 +44,13 @@ lock:
 demo: $(STAMP)
 	$(PY) -m expq.demo $(DEMO)
 
-# The linter first (ruff, configured in pyproject.toml: a few seconds), then the tests.
+# The linter first (ruff, configured in pyproject.toml: a few seconds), then the tests, spread over TEST_WORKERS
+# processes (pytest-xdist): most tests wait on the subprocesses they start, so on 2 cores two workers take about
+# 7 minutes where one took 12-13 (docs/benchmarks.md, "The test suite"). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check expq tests bench
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --durations=15 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check expq tests bench
