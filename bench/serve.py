@@ -23,12 +23,22 @@ shape (``--shapes``):
              per workload; the MoE config vLLM's Triton paths pick per batch size, from vLLM's own functions, and
              what its log said it looked up).
 
-``--profile`` (in the same engines, after the timed runs): per serving path, where a decode step's time goes at
-16 requests. Two generates of the 16-request workload with 1 and 1 + ``--profile-steps`` output tokens, timed
-without the profiler and then under vLLM's torch profiler (``profiler_config``); the difference divided by the
-steps is one decode step: wall ms, GPU kernel ms (the rest is the GPU idle: host time, launches, syncs), kernel time
-by kind (MoE GEMMs, the MoE sort, MoE sum/activation, attention, dense GEMMs, other), host API calls per step
-(``cudaGraphLaunch``; kernel launches outside a graph; synchronisations; copies), and the top kernels.
+``--profile`` (in the same engines, after the timed runs): per serving path and per request count of
+``--profile-requests`` (default 16), where a decode step's time goes. The prompts are as long as those of the decode
+workload with that many requests in ``WORKLOADS`` (1: 128 tokens; 16 and 512: 512), else 512 tokens. At each count:
+a warm-up generate of a few tokens, then two generates with 1 and 1 + ``--profile-steps`` output tokens, timed
+without the profiler and then under vLLM's torch profiler (``profiler_config``); the difference divided by the steps
+is one decode step: wall ms (the unprofiled runs); GPU busy ms (the profiled runs: the length of the union of the
+[ts, ts + dur] intervals of every kernel, memcpy and memset in the traces, all streams and trace files together,
+each file's ``baseTimeNanoseconds`` added: the time at least one of them ran); GPU idle ms = wall - busy (the GPU
+ran nothing: host time, launches, syncs); kernel sum ms (the kernels' durations added up, which exceeds the busy
+time when kernels run at once on several streams) and overlap ms (kernel sum - the union of the kernels' intervals
+alone); the busy intervals (the union's pieces) per step; kernel time by kind (MoE GEMMs, the MoE sort, MoE
+sum/activation, attention, dense GEMMs, other), host API calls per step (``cudaGraphLaunch``; kernel launches
+outside a graph; synchronisations; copies), and the top kernels. Also, from the 1 + steps run's trace as a whole
+(prefill included, not per step): the longest gap between two consecutive busy intervals. serve.json keeps one
+profile per request count (``"profile": {"1": {...}, "16": {...}}``); an older serve.json's single profile is
+reported as the one at 16 requests.
 
 Budget: ``--budget`` seconds for the whole invocation; a serve is not started unless the time left covers the
 longest serve so far (``--serve-estimate`` before the first); what is skipped says so in the report. The serves
@@ -179,14 +189,22 @@ def parse_args(argv):
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole invocation")
     ap.add_argument("--serve-estimate", type=float, default=150, help="seconds one serve is assumed to take")
     ap.add_argument("--serve-timeout", type=float, default=420, help="seconds one serve may take")
-    ap.add_argument("--profile", action="store_true", help="per-decode-step profile at 16 requests (see above)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-decode-step profile at each --profile-requests count (see above)")
     ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--profile-requests", type=int, nargs="+", default=[16], metavar="N",
+                    help="request counts the decode step is profiled at (default 16)")
     ap.add_argument("--work", type=Path, help="where the checkpoints go (default OUT/work)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/serve.json's finished serves")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints after a shape is done")
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.profile_steps < 1:
-        ap.error("--runs and --profile-steps must be >= 1")
+    if args.runs < 1 or args.profile_steps < 1 or min(args.profile_requests) < 1:
+        ap.error("--runs, --profile-steps and --profile-requests must be >= 1")
+    args.profile_requests = list(dict.fromkeys(args.profile_requests))
+    too_long = [n for n in args.profile_requests if profile_prompt_len(n) + 1 + args.profile_steps > MAX_MODEL_LEN]
+    if too_long:
+        ap.error(f"--profile-steps {args.profile_steps}: the requests of {too_long} would pass max_model_len "
+                 f"{MAX_MODEL_LEN}")
     return args
 
 
@@ -270,7 +288,8 @@ def serve_path(shape: str, path: str, work: Path, out: Path, args, deadline: flo
     ckpt, quant, kernel, _ = PATHS[path]
     spec = {"model": str(work / ckpt), "quantization": quant, "kernel": kernel, "shape": shape, "path": path,
             "workloads": args.workloads, "runs": args.runs, "profile": args.profile,
-            "profile_steps": args.profile_steps, "result": str(out / "runs" / f"{shape}-{path}.json"),
+            "profile_steps": args.profile_steps,
+            "profile_requests": args.profile_requests, "result": str(out / "runs" / f"{shape}-{path}.json"),
             "trace_dir": str(work / "traces" / path)}
     (out / "runs").mkdir(exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -377,7 +396,11 @@ def serve(spec: dict) -> None:
     res["moe_configs"] = moe_configs(shape, spec)
     save()
     if spec["profile"]:
-        res["profile"] = profile_decode(llm, vocab, spec["profile_steps"], Path(spec["trace_dir"]))
+        res["profile"] = {}
+        for k, n in enumerate(spec.get("profile_requests") or [16]):
+            res["profile"][str(n)] = profile_decode(llm, vocab, spec["profile_steps"], Path(spec["trace_dir"]), n,
+                                                    profile_prompt_len(n), seed=1_000_000 + 100 * k)
+            save()
     res["done"] = True
     save()
 
@@ -471,7 +494,7 @@ def moe_configs(shape: dict, spec: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-# --- --profile: one decode step at 16 requests ---------------------------------------------------------------------
+# --- --profile: one decode step at each --profile-requests count --------------------------------------------------
 KERNEL_KINDS = (  # (kind, regex on the kernel name), first match wins
     ("moe_gemm", r"fused_moe_kernel|fused_moe_w8a16|[Mm]arlin|moe_wna16|grouped_gemm"),
     ("moe_sort", r"moe_align|count_and_sort|sort_tokens|moe_align_count"),
@@ -489,46 +512,92 @@ API_KINDS = (  # host API calls per step
 )
 
 
-def profile_decode(llm, vocab: int, steps: int, trace_dir: Path) -> dict:
-    """One decode step at 16 requests of 512 prompt tokens: (generate to 1 + steps tokens) minus (to 1 token),
-    over ``steps``; wall time without the profiler, kernels and host calls from vLLM's torch profiler traces."""
+def profile_prompt_len(requests: int) -> int:
+    """The prompt tokens of the decode workload in ``WORKLOADS`` with this many requests (the prefill workload, of
+    one output token, is not one), else 512."""
+    return next((p_len for n, p_len, o_len, _ in WORKLOADS.values() if n == requests and o_len > 1), 512)
+
+
+def profile_decode(llm, vocab: int, steps: int, trace_dir: Path, requests: int = 16, prompt_len: int = 512,
+                   seed: int = 5000) -> dict:
+    """One decode step at ``requests`` requests of ``prompt_len`` prompt tokens: (generate to 1 + steps tokens) minus
+    (to 1 token), over ``steps``; wall time without the profiler, GPU activity and host calls from vLLM's torch
+    profiler traces. A warm-up generate of this batch first (its shapes may be new to the engine); every generate
+    gets new prompts (seed, seed + 1, ...: no prefix-cache hits)."""
+    generate(llm, prompts(requests, prompt_len, vocab, seed=seed), 8)
     walls, traces = {}, {}
     for i, n in enumerate((1, 1 + steps)):
-        walls[n] = generate(llm, prompts(16, 512, vocab, seed=5000 + i), n)
+        walls[n] = generate(llm, prompts(requests, prompt_len, vocab, seed=seed + 1 + i), n)
     for i, n in enumerate((1, 1 + steps)):
         trace_dir.mkdir(parents=True, exist_ok=True)
         before = set(trace_dir.iterdir())
         llm.start_profile()
-        generate(llm, prompts(16, 512, vocab, seed=6000 + i), n)
+        generate(llm, prompts(requests, prompt_len, vocab, seed=seed + 3 + i), n)
         llm.stop_profile()
         new = sorted(f for f in set(trace_dir.iterdir()) - before if f.name.endswith((".json", ".json.gz")))
         if not new:
-            return {"error": f"the profiler wrote no trace under {trace_dir}"}
+            return {"requests": requests, "prompt_len": prompt_len,
+                    "error": f"the profiler wrote no trace under {trace_dir}"}
         traces[n] = trace_totals(new)
         for f in new:
             f.unlink()
-    return decode_step(walls[1], walls[1 + steps], traces[1], traces[1 + steps], steps)
+    return {"requests": requests, "prompt_len": prompt_len,
+            **decode_step(walls[1], walls[1 + steps], traces[1], traces[1 + steps], steps)}
+
+
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The Chrome-trace categories of work on the GPU: its busy time is the union of their intervals."""
+
+
+def union_ns(intervals) -> list[tuple[int, int]]:
+    """The union of [start, end] intervals, as sorted disjoint pieces (touching ones joined)."""
+    pieces: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if pieces and start <= pieces[-1][1]:
+            pieces[-1][1] = max(pieces[-1][1], end)
+        else:
+            pieces.append([start, end])
+    return [(a, b) for a, b in pieces]
 
 
 def trace_totals(files) -> dict:
-    """Sums over torch profiler (Chrome trace) files: per kernel name [count, total us]; per host API name count."""
+    """Totals over torch profiler (Chrome trace) files: per kernel name [count, total us]; per host API name count;
+    and the GPU's activity (kernels, memcpys, memsets: ``GPU_ACTIVITY``) over all files and streams together: the
+    number of events, ``busy_us`` the length of the union of their [ts, ts + dur] intervals, ``kernel_busy_us`` that
+    of the kernels' alone, ``busy_intervals`` the union's pieces and ``longest_gap_us`` the longest time between two
+    consecutive pieces. Times are taken in integer ns, each file's ts (us) shifted by its ``baseTimeNanoseconds``
+    (the files of two processes have different bases)."""
     import gzip
 
     kernels: dict[str, list] = {}
     api: dict[str, int] = {}
+    activity: list[tuple[int, int]] = []
+    kernel_spans: list[tuple[int, int]] = []
     for f in files:
         raw = gzip.open(f, "rt") if str(f).endswith(".gz") else open(f)
         with raw as fh:
-            events = json.load(fh).get("traceEvents", [])
-        for ev in events:
+            trace = json.load(fh)
+        base_ns = int(trace.get("baseTimeNanoseconds", 0) or 0)
+        for ev in trace.get("traceEvents", []):
             cat = ev.get("cat", "")
+            if cat in GPU_ACTIVITY:
+                start = base_ns + round(float(ev.get("ts", 0)) * 1000)
+                span = (start, start + round(float(ev.get("dur", 0)) * 1000))
+                activity.append(span)
+                if cat == "kernel":
+                    kernel_spans.append(span)
             if cat == "kernel":
                 k = kernels.setdefault(ev.get("name", "?"), [0, 0.0])
                 k[0] += 1
                 k[1] += float(ev.get("dur", 0))
             elif cat in ("cuda_runtime", "cuda_driver"):
                 api[ev.get("name", "?")] = api.get(ev.get("name", "?"), 0) + 1
-    return {"kernels": kernels, "api": api}
+    busy = union_ns(activity)
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    return {"kernels": kernels, "api": api, "gpu_events": len(activity),
+            "busy_us": sum(b - a for a, b in busy) / 1e3,
+            "kernel_busy_us": sum(b - a for a, b in union_ns(kernel_spans)) / 1e3,
+            "busy_intervals": len(busy), "longest_gap_us": max(gaps, default=0) / 1e3}
 
 
 def kind_of(name: str, table) -> str:
@@ -536,7 +605,11 @@ def kind_of(name: str, table) -> str:
 
 
 def decode_step(wall_a: float, wall_b: float, a: dict, b: dict, steps: int, top: int = 10) -> dict:
-    """Per decode step: the difference of two runs (``b`` has ``steps`` more decode steps than ``a``) / steps."""
+    """Per decode step: the difference of two runs (``b`` has ``steps`` more decode steps than ``a``) / steps.
+    ``gpu_ms`` the kernel sum (durations added up, over-counting kernels that run at once), ``busy_ms`` the GPU's busy
+    time (the union of its activity intervals), ``idle_ms`` = wall - busy, ``overlap_ms`` = kernel sum - the union of
+    the kernels' intervals (the time kernels ran at once), ``busy_intervals_per_step``; ``longest_gap_us_b`` is the
+    longest gap between busy intervals in ``b``'s whole trace, not per step."""
     names = set(a["kernels"]) | set(b["kernels"])
     per = {}
     for n in names:
@@ -553,8 +626,13 @@ def decode_step(wall_a: float, wall_b: float, a: dict, b: dict, steps: int, top:
         api[k] = api.get(k, 0.0) + (b["api"].get(n, 0) - a["api"].get(n, 0)) / steps
     wall_ms = (wall_b - wall_a) / steps * 1e3
     ranked = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"steps": steps, "wall_ms": round(wall_ms, 3), "gpu_ms": round(gpu_us / 1e3, 3),
-            "idle_ms": round(wall_ms - gpu_us / 1e3, 3), "kinds_us": {k: round(v, 1) for k, v in kinds.items()},
+    busy_ms = (b["busy_us"] - a["busy_us"]) / steps / 1e3
+    kernel_busy_ms = (b["kernel_busy_us"] - a["kernel_busy_us"]) / steps / 1e3
+    return {"steps": steps, "wall_ms": round(wall_ms, 3), "busy_ms": round(busy_ms, 3),
+            "idle_ms": round(wall_ms - busy_ms, 3), "gpu_ms": round(gpu_us / 1e3, 3),
+            "overlap_ms": round(gpu_us / 1e3 - kernel_busy_ms, 3),
+            "busy_intervals_per_step": round((b["busy_intervals"] - a["busy_intervals"]) / steps, 2),
+            "longest_gap_us_b": round(b["longest_gap_us"], 1), "kinds_us": {k: round(v, 1) for k, v in kinds.items()},
             "api_per_step": {k: round(v, 2) for k, v in api.items()},
             "top": [{"name": n, "calls": round(c, 2), "us": round(t, 1)} for n, (c, t) in ranked]}
 
@@ -653,25 +731,43 @@ def configs_table(results: dict) -> list[str]:
             if lines else [])
 
 
+def profiles(res: dict) -> dict[str, dict]:
+    """A serve's decode-step profiles by request count ({"16": {...}}). An older serve.json holds one profile dict
+    (``steps``, ``wall_ms``, ... or ``error``), always taken at 16 requests: it is returned as the one at "16"."""
+    pr = res.get("profile")
+    if not isinstance(pr, dict):
+        return {}
+    if any(k in pr for k in ("steps", "wall_ms", "error")):
+        return {"16": pr}
+    return {k: v for k, v in sorted(pr.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)
+            if isinstance(v, dict)}
+
+
 def profile_table(results: dict) -> list[str]:
-    rows = [(p, r["profile"]) for p, r in results.items() if isinstance(r, dict) and isinstance(r.get("profile"),
-                                                                                              dict)]
+    rows = [(p, n, pr) for p, r in results.items() if isinstance(r, dict) for n, pr in profiles(r).items()]
     if not rows:
         return []
     kinds = [k for k, _ in KERNEL_KINDS] + ["other"]
     apis = [k for k, _ in API_KINDS]
-    head = ["path", "wall ms", "GPU ms", "idle ms"] + [f"{k} us" for k in kinds] + [f"{k}/step" for k in apis]
-    lines = ["One decode step at 16 requests (512 in), from the profile (`--profile`)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p, pr in rows:
+    head = (["path", "requests", "wall ms", "GPU busy ms", "GPU idle ms", "kernel sum ms"] + [f"{k} us" for k in kinds]
+            + [f"{k}/step" for k in apis])
+    lines = ["One decode step per request count, from the profile (`--profile`): GPU busy = the union of the "
+             "kernel/memcpy/memset intervals, GPU idle = wall - busy, kernel sum = the kernels' durations added up "
+             "(above busy when kernels overlap); a profile from before busy time was measured has none (-)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p, n, pr in rows:
+        req = f"{n} ({pr['prompt_len']} in)" if "prompt_len" in pr else n
         if "error" in pr:
-            lines.append(f"| {p} | {pr['error']} |")
+            lines.append(f"| {p} | {req} | {pr['error']} |")
             continue
-        cells = [p, pr["wall_ms"], pr["gpu_ms"], pr["idle_ms"]] + [pr["kinds_us"].get(k, 0) for k in kinds]
-        lines.append("| " + " | ".join(str(c) for c in cells + [pr["api_per_step"].get(k, 0) for k in apis]) + " |")
-    for p, pr in rows:
+        busy = "busy_ms" in pr  # an older profile's idle_ms is wall - kernel sum: not shown as the GPU's idle
+        cells = [p, req, pr.get("wall_ms", "-"), pr["busy_ms"] if busy else "-", pr["idle_ms"] if busy else "-",
+                 pr.get("gpu_ms", "-")]
+        cells += [(pr.get("kinds_us") or {}).get(k, 0) for k in kinds]
+        cells += [(pr.get("api_per_step") or {}).get(k, 0) for k in apis]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for p, n, pr in rows:
         if "top" in pr:
-            lines += ["", f"{p}: top kernels per decode step (calls, us)", ""]
+            lines += ["", f"{p}, {n} request{'' if n == '1' else 's'}: top kernels per decode step (calls, us)", ""]
             lines += [f"- {t['us']} us, {t['calls']} calls: `{t['name'][:110]}`" for t in pr["top"]]
     return lines + [""]
 
