@@ -1086,8 +1086,11 @@ def _runs(v: Variant, src: Path, fmt: str, work: Path, runs: int, ctx: dict, tim
             args = ["convert", str(src), str(out), "--device", v.device, "--json"]
             if v.out_format:  # the acknowledgement changes no byte; families that need it refuse without it
                 args += ["--format", v.out_format, "--allow-random-experts-in-transformers"]
-            if v.code:  # also its working directory: `python -m` puts that first on the path
-                env["PYTHONPATH"] = str(v.code)
+            if v.code:  # also its working directory: `python -m` puts that first on the path; this checkout's
+                # entries leave the path (the rest stays: the device machine's dependencies are on it)
+                keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                        if p and Path(p).resolve() != REPO.resolve()]
+                env["PYTHONPATH"] = os.pathsep.join([str(v.code), *keep])
             cmd = [py, "-c", EXPQ_CLI_GPU, *args] if gpu else [py, "-m", "expq.cli", *args]
         else:  # stream
             server = ctx["hub"]()

@@ -19,7 +19,7 @@ import torch
 
 from . import cpu_kernels, parallel
 from .errors import NonFiniteError, OutputError, option
-from .io.safetensors import copy_bytes, map_tensor
+from .io.safetensors import TensorInfo, copy_bytes, map_tensor, read_tensor
 from .plan import Job, JobKind, OutTensor, Plan, Slice
 from .scheme import CPU_BLOCK_ELEMS, canonical_nan_, matrix_scales, scales_from_absmax
 
@@ -126,6 +126,35 @@ run: there the pool is the pipelines' own, and batches taken first (``parallel.f
 2-core runner for the front pass while the pipelines waited (OLMoE: the first unit's codes 49 s in)."""
 
 
+FRONT_POOL_THREADS = 4
+"""The most threads of a GPU run's front-pass pool (``FrontPass._own``; fewer on a host with fewer cores). The front
+pass only has to keep ahead of the pipelines, and its threads share the cores, the GIL and the page cache with them.
+With one thread per core (16 on the H200 host) the pipelines' first unit of a Qwen3 shape took 6.3 s against 3.7 s
+with the front pass on one thread. Measured on the H200 in one call (Qwen3 shape, 12 layers, experts-int8, median
+of 3): 4 threads, reading its slices (``_read_small``), 19.06 s for the process and 13.95 s inside the conversion,
+against 20.28 s and 14.70 s with 16 threads mapping them; 2 threads 18.53 s against 18.72 s for 4, level."""
+
+_front_reads = threading.local()  # per pool thread: the buffers its small slices are read into (``_read_small``)
+
+
+def _read_small(root, infos: list[TensorInfo]) -> dict[TensorInfo, torch.Tensor]:
+    """The stored tensors of a small slice, read (``read_tensor``) into this thread's buffers, one per part, kept for
+    its next slice: no mapping set up and torn down per tensor by several threads at once (a ``munmap`` takes the
+    process's memory-map lock, which every thread's page faults take too, and flushes the mapping from the other
+    cores)."""
+    bufs = getattr(_front_reads, "bufs", None)
+    if bufs is None:
+        bufs = _front_reads.bufs = []
+    out = {}
+    for k, info in enumerate(infos):
+        if k == len(bufs):
+            bufs.append(torch.empty(0, dtype=torch.uint8))
+        if bufs[k].numel() < info.nbytes:
+            bufs[k] = torch.empty(info.nbytes, dtype=torch.uint8)
+        out[info] = read_tensor(root, info, into=bufs[k])
+    return out
+
+
 class FrontPass:
     """Writes the front of every shard (``front_outputs``: the scales, the copied and the decoded tensors of an
     experts-int8 shard) ahead of the pipelines, so that each shard's hash follows its codes from memory as they are
@@ -133,8 +162,8 @@ class FrontPass:
 
     One thread for the run; what it computes goes to the front of the pool's queue (``parallel.first``: the shards'
     hashes wait for it, and it is small: one read of each value); on a GPU run, which has no CPU pool, the CPU
-    scales of a slice of ``OWN_POOL_MIN_ELEMS`` or more go over a pool of its own (one thread per core,
-    ``parallel.local``). It goes through the units in the order the pipelines take them (within a unit, in the order
+    scales of a slice of ``OWN_POOL_MIN_ELEMS`` or more go over a pool of its own (up to ``FRONT_POOL_THREADS``,
+    ``parallel.local``), and so do its small slices, many at a time (``_run_batch``). It goes through the units in the order the pipelines take them (within a unit, in the order
     the outputs lie in the shards), ahead of the read threads by at most ``lookahead_bytes`` of source (so that what
     it maps is still in the page cache when they read it), and by one unit at least. For each job it claims first
     (``Run.claim``: a pipeline that claims a job first writes all of it itself; where the front pass claimed it,
@@ -172,7 +201,7 @@ class FrontPass:
     def _main(self) -> None:
         # a GPU run has no CPU pool (``pipeline.cpu_threads``): the scales this pass takes on the CPU (the fused
         # absmax of a float source, a quantized source's row absmax) get one of their own, this thread's only
-        own = self._own = parallel.Pool(parallel.usable_cores(), "expq-front") \
+        own = self._own = parallel.Pool(min(parallel.usable_cores(), FRONT_POOL_THREADS), "expq-front") \
             if self.gpu is not None and parallel.pool() is None else None
         try:
             if self.gpu is not None:
@@ -264,9 +293,10 @@ class FrontPass:
                whole: bool = False) -> list[tuple[OutTensor, torch.Tensor]]:
         """The front outputs of one slice of a quantize job, in the order they lie: its matrices' scales, encoded
         by the format (CPU tensors). ``whole``: the scales of a float slice on this thread, not by row blocks over
-        the pool (a task of ``_run_batch``)."""
+        the pool (a task of ``_run_batch``), its stored tensors read into the thread's buffers (``_read_small``)."""
         plan, src = self.run.plan, piece.tensor
-        parts = {p: map_tensor(plan.source.root, p) for p in src.parts}
+        parts = _read_small(plan.source.root, list(src.parts)) if whole else \
+            {p: map_tensor(plan.source.root, p) for p in src.parts}
         # a quantized source's scales from the decoder's row absmax wherever it offers it (one read on the CPU's
         # fused kernels: cheaper than moving and decoding the tensor on a GPU that the pipelines decode it on again)
         scales = self._decoded_scales(piece, parts)

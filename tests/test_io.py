@@ -55,6 +55,26 @@ def test_encoded_header_reads_back_here_and_in_the_library(tmp_path):
         assert torch.equal(f.get_tensor("a"), a) and torch.equal(f.get_tensor("b"), b)
 
 
+def test_read_tensor_into_a_reused_buffer(tmp_path):
+    """``into``: each tensor read into the front of one caller's buffer (the front pass's per-thread buffers), the
+    same values as a fresh read; the buffer's tail untouched; a file cut short is still refused."""
+    a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    b = torch.tensor([7, -8, 9], dtype=torch.int8)
+    placed = [_Placed("a", "BF16", (2, 3), 0, 12), _Placed("b", "I8", (3,), 12, 3)]
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(encode_header(placed) + a.view(torch.uint8).numpy().tobytes() + b.numpy().tobytes())
+    ta, tb = read_header(path, "x.safetensors").tensors
+    buf = torch.full((64,), 0x5A, dtype=torch.uint8)
+    got = read_tensor(tmp_path, ta, into=buf)
+    assert torch.equal(got, a) and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[12:], torch.full((52,), 0x5A, dtype=torch.uint8))
+    got = read_tensor(tmp_path, tb, into=buf)
+    assert torch.equal(got, b) and got.data_ptr() == buf.data_ptr()
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(SourceError, match=r"short read \(1 of 3 bytes\)"):
+        read_tensor(tmp_path, tb, into=buf)
+
+
 @pytest.mark.parametrize("paths,index,want", [
     (["config.json", SINGLE_NAME, "other.safetensors"], None, [SINGLE_NAME]),
     (["config.json", "w.safetensors", ".cache.safetensors", "sub/x.safetensors"], None, ["w.safetensors"]),

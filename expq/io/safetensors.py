@@ -358,12 +358,14 @@ def _brief_error(e: Exception) -> str:
 
 
 
-def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch.Tensor:
+def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False, into: torch.Tensor | None = None) -> torch.Tensor:
     """Read one tensor from its file: one ``readinto`` of its whole byte span (nothing else of the shard is loaded).
 
     Args:
         pinned: read into page-locked host memory (for asynchronous copies to a GPU); else into a buffer of the
             pool in use (``buffers.empty``: reused during a CPU conversion).
+        into: read into the front of this contiguous CPU uint8 tensor instead (at least ``info.nbytes`` long; the
+            result is a view of it, valid until the caller reuses it).
 
     Returns:
         a CPU tensor of ``info.shape`` in the matching torch dtype.
@@ -374,8 +376,11 @@ def read_tensor(src_root: Path, info: TensorInfo, pinned: bool = False) -> torch
     dt = TORCH_DTYPES.get(info.dtype)
     if dt is None:
         raise SourceError(f"dtype {info.dtype} cannot be read as a torch tensor", file=str(src_root / info.file), tensor=info.name)
-    buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=True) if pinned else \
-        buffers.empty((info.nbytes,), torch.uint8)
+    if into is not None:
+        buf = into[:info.nbytes]
+    else:
+        buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=True) if pinned else \
+            buffers.empty((info.nbytes,), torch.uint8)
     view, got = memoryview(buf.numpy()), 0
     try:
         with open(src_root / info.file, "rb", buffering=0) as f:
