@@ -19,6 +19,8 @@ CASES = [
                                                        "compressed-tensors, experts-int8"),
     (["convert", "SRC", "out", "--dtype", "int4"], {}, "error: unknown --dtype 'int4'; use auto, bfloat16, float16, "
                                                       "float32"),
+    (["convert", "SRC", "out", "--format", "experts-int8", "--dtype", "int4"], {},  # a known format: names only
+     "error: unknown --dtype 'int4'; use auto, bfloat16, float16, float32"),
     (["convert", "SRC", "out", "--max-shard-size", "lots"], {}, "error: --max-shard-size: not a size: 'lots' (use "
                                                                "e.g. 5GB, 500MB, 2GiB)"),
     (["convert", "SRC", "out", "--device", "gpu"], {}, "error: unknown device 'gpu' (use auto, cpu, cuda, cuda:N or a "

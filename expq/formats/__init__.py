@@ -58,6 +58,9 @@ class FormatRegistry(MutableMapping[str, type]):
     def __delitem__(self, name: str) -> None:
         del self._entries[name]
 
+    def __contains__(self, name: object) -> bool:  # by name: imports nothing (Mapping's would read the value)
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._entries))
 
