@@ -233,6 +233,9 @@ def convert(
         options.check_convert(src, out_dir, format=format, dtype=dtype, device=device, max_shard_size=max_shard_size,
                               stream=stream, ray=ray, to_hub=to_hub)
         interval()
+        if not stream and ray is None and os.path.isdir(src):  # hashed while torch imports (``io.early_hash``)
+            from .io import early_hash
+            early_hash.start(src)
         with ending_at_once():  # nothing written yet; a signal inside torch's start-up must not raise there
             from .api import convert as api_convert
 

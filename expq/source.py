@@ -389,18 +389,24 @@ def local_identity(src: Source, threads: int | None = None, cancel: threading.Ev
     """A directory source's identity, what a resume and a no-op re-run compare (``conversion.run_settings``):
     [file, size, sha256] of every shard and side file (config.json first, then the shards, then the side files),
     each file read whole in chunks, ``threads`` files at a time (default: one per core, at most 8; sha256 releases
-    the GIL). ``docs/benchmarks.md`` has what it costs against a conversion. With ``--ray`` a task calls it, never
-    the driver.
+    the GIL), or taken from the hashes the command line began while it started up (``io.early_hash``: a file still
+    as it was hashed). ``docs/benchmarks.md`` has what it costs against a conversion. With ``--ray`` a task calls
+    it, never the driver.
 
     Raises:
         SourceError: a file is not a regular file or cannot be read (EIO...), naming it; or ``cancel`` was set.
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    from .io import early_hash
     from .io.regular import sha256_regular
 
+    def one(rel: str) -> tuple[int, str]:
+        path = src.root / rel
+        return early_hash.take(path, cancel) or sha256_regular(path, "source file", cancel=cancel)
+
     rels = ["config.json", *(sh.file for sh in src.shards), *src.side_files]
-    n = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="expq-identity") as pool:
-        sums = list(pool.map(lambda rel: sha256_regular(src.root / rel, "source file", cancel=cancel), rels))
+    with ThreadPoolExecutor(max_workers=threads or early_hash.identity_threads(),
+                            thread_name_prefix="expq-identity") as pool:
+        sums = list(pool.map(one, rels))
     return [[rel, size, digest] for rel, (size, digest) in zip(rels, sums)]

@@ -133,3 +133,83 @@ def test_hub_identity_is_the_commit_and_the_hubs_sha256(hub_server, tmp_path, tm
     assert source == {"repo_id": "org/tiny-mixtral", "commit": commit,
                       "shards_sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                                         for p in sorted(folder.glob("*.safetensors"))}}
+
+
+@pytest.fixture
+def early():
+    from expq.io import early_hash
+
+    early_hash.stop()
+    yield early_hash
+    early_hash.stop()
+
+
+def test_early_hashes_are_taken_only_for_files_unchanged_since(src, tmp_path, early, monkeypatch):
+    """``io.early_hash`` (what the command line starts while torch imports): config.json and every shard, each
+    the sha256 of its bytes; the identity takes them, hashing only the side files itself; a shard rewritten since
+    (same size, its modification time put back: only the change time tells) is hashed again, so the identity
+    and expq.json describe its new bytes."""
+    import expq.io.regular as regular
+
+    shards = sorted(src.glob("*.safetensors"))
+    assert len(shards) >= 2
+    assert early.start(src, threads=2) == 1 + len(shards)
+    early.join()
+    for p in [src / "config.json", *shards]:
+        assert early.take(p) == (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()), p.name
+    early.stop()
+
+    assert early.start(src, threads=2) == 1 + len(shards)
+    early.join()
+    changed = src / flip_middle_byte(src)
+    st = changed.stat()
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns))  # what a careful rewrite could keep
+    assert early.take(changed) is None
+    hashed = []
+    real = regular.sha256_regular
+    monkeypatch.setattr(regular, "sha256_regular", lambda path, *a, **k: hashed.append(path.name) or real(path, *a, **k))
+    out = tmp_path / "out"
+    expq.convert(src, out, device="cpu")
+    side = sorted(p.name for p in src.iterdir() if p.is_file() and p.suffix != ".safetensors" and
+                  p.name not in ("config.json", "model.safetensors.index.json"))
+    assert sorted(hashed) == sorted([changed.name, *side])  # every other shard's early hash was taken
+    files = {name: [size, digest] for name, size, digest in
+             json.loads((out / "expq.json").read_text())["settings"]["source"]["files"]}
+    for p in [src / "config.json", *shards]:
+        assert files[p.name] == [p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()], p.name
+
+
+def test_a_file_not_started_is_the_callers_to_hash(src, early):
+    """With no thread free (``threads=0``), ``take`` hands each queued file back at once (None) and never waits."""
+    assert early.start(src, threads=0) >= 2
+    t = time.monotonic()
+    assert [early.take(p) for p in sorted(src.glob("*.safetensors"))] == [None] * len(list(src.glob("*.safetensors")))
+    assert early.take(src / "config.json") is None and early.take(src / "config.json") is None  # taken: still None
+    assert time.monotonic() - t < 5
+
+
+EARLY_CLI = """
+import json, sys
+import expq.io.early_hash as eh
+seen = []
+start = eh.start
+eh.start = lambda root, *a, **k: seen.append(["torch" in sys.modules, start(root, *a, **k)]) or seen[-1][1]
+from expq.cli import main
+sys.argv = ["expq", "convert", sys.argv[1], sys.argv[2], "--device", "cpu", "--json", "--format", "compressed-tensors"]
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+print(json.dumps(seen))
+"""
+
+
+def test_the_command_line_starts_hashing_the_source_before_torch(src, tmp_path):
+    """The command line queues config.json and every shard before its first import of torch (a named --format
+    included: its check reads the registry's names only)."""
+    r = subprocess.run([sys.executable, "-c", EARLY_CLI, str(src), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen == [[False, 1 + len(list(src.glob("*.safetensors")))]], seen
+    assert (tmp_path / "out" / "expq.json").is_file()

@@ -12,11 +12,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ..errors import SourceError
 from .regular import read_regular
-from .safetensors import TensorInfo
+
+if TYPE_CHECKING:  # imported by the command line before torch (``io.early_hash``)
+    from .safetensors import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 256 << 20  # bytes of an index file (tens of MB for the largest models)
