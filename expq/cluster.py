@@ -46,7 +46,7 @@ from .hub.card import model_card
 from .hub.publish import prepare_repo, publish, upload_settings, upload_shards
 from .hub.push import hub_token as login_token
 from .hub.stream import StreamFeeder, streamed
-from .interrupts import StopSignal, keeping_handlers, stop_on_signals
+from .interrupts import StopSignal, as_interrupted, keeping_handlers, stop_on_signals
 from .manifest import Manifest
 from .pipeline import RunStats
 from .plan import JobKind, Plan
@@ -504,15 +504,27 @@ class _RayRun:
         with stop_on_signals() as stop:
             self._run(task_groups(plan), dest=None, upload=upload_settings(repo_id, token),
                       on_shard=lambda r, findings: results.__setitem__(r.name, r), stop=stop)
-        outdir = OutputDir(here, fingerprint=self.settings)
-        outdir.start()
-        for k, name in enumerate(plan.shard_names):
-            placeholder_shard(plan, k, outdir.path(name))
-            outdir.record(name, sha256=results[name].sha256)
-        man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
-                               self.settings, self.command)
-        outdir.commit()
-        (here / "README.md").write_text(model_card(here, repo_id))
-        urls, _ = publish(here, plan, results, repo_id, token,
-                          commit_message=f"Upload {plan.format.name} checkpoint made with expq {__version__}")
+        publishing = False
+        try:  # the driver's folder is a stand-in: OUT is the repo, which only the publish's commit changes
+            outdir = OutputDir(here, fingerprint=self.settings)
+            outdir.start()
+            for k, name in enumerate(plan.shard_names):
+                placeholder_shard(plan, k, outdir.path(name))
+                outdir.record(name, sha256=results[name].sha256)
+            man = write_side_files(plan, outdir, RunStats(by_job=self.findings).finish(), self.allow_nonfinite,
+                                   self.settings, self.command)
+            outdir.commit()
+            (here / "README.md").write_text(model_card(here, repo_id))
+            publishing = True
+            urls, _ = publish(here, plan, results, repo_id, token,
+                              commit_message=f"Upload {plan.format.name} checkpoint made with expq {__version__}")
+        except BaseException as e:
+            if (stop := as_interrupted(e)) is None:
+                raise
+            name = signal.Signals(stop.signum).name
+            what = ("while publishing: its one commit may or may not have been made (the repo's history says)"
+                    if publishing else "before its commit: the repo is unchanged (the shards the tasks uploaded are "
+                                       "in no commit)")
+            raise Interrupted(stop.signum, f"interrupted by {name} {what}; re-run the same command to publish to "
+                                           f"{repo_id}") from None
         return self._report(outdir, man, t0, out=f"hf://{repo_id}", hub_commits=urls)

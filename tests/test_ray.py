@@ -233,6 +233,34 @@ def test_hub_to_hub(hub_server, tmp_path, tmp_path_factory):
     assert all(pid != me for pid, p, st, *_ in sent if st == 200 and p.endswith(".safetensors"))
 
 
+@pytest.mark.parametrize("at,said", [
+    pytest.param("placeholder_shard", "interrupted by SIGINT before its commit: the repo is unchanged (the shards "
+                 "the tasks uploaded are in no commit); re-run the same command to publish to " + DST_REPO,
+                 marks=pytest.mark.slow),
+    ("publish", "interrupted by SIGINT while publishing: its one commit may or may not have been made (the repo's "
+                "history says); re-run the same command to publish to " + DST_REPO),
+])
+def test_a_signal_while_publishing_to_the_hub_says_what_the_repo_holds(hub_server, tmp_path, tmp_path_factory,
+                                                                        monkeypatch, at, said):
+    """--to-hub: a signal after the tasks, as the driver lays its stand-in folder down or publishes it, says what
+    the repo holds, which only the one commit changes. It said "after the commit: OUT holds the complete new
+    checkpoint; nothing to resume" (the driver's stand-in folder had committed) while the repo had nothing new."""
+    import expq.cluster
+
+    real = getattr(expq.cluster, at)
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt at the next bytecode
+        return real(*a, **k)
+
+    monkeypatch.setattr(expq.cluster, at, signalled)
+    with pytest.raises(Interrupted) as e:
+        expq.convert(example(tmp_path_factory, "mixtral"), to_hub=DST_REPO, ray="local", device="cpu",
+                     max_shard_size=SHARD)
+    assert str(e.value) == said and e.value.exit_code == 130
+    assert [c.title for c in hub_server.history(DST_REPO)] == ["initial commit"]  # made by prepare_repo only
+
+
 # --- one-line errors --------------------------------------------------------------------------------------------------
 def one_line(result) -> str:
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
