@@ -18,6 +18,7 @@ import torch
 from .decoders.base import Decoder, LogicalTensor
 from .errors import SourceError
 from .io import files
+from .io.files import Inside
 from .io.regular import check_regular, read_regular
 from .io.index import INDEX_NAME, Index, check_index, is_weight_file, read_index, weight_files
 from .io.safetensors import Shard, TensorInfo, json_kind, printable_name, read_header, read_tensor
@@ -111,7 +112,7 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     root = Path(root)
     if not root.is_dir():
         raise SourceError("not a directory", file=str(root))
-    inside = _Inside(root, enabled=not allow_outside_links)
+    inside = Inside(root, enabled=not allow_outside_links)
     inside.check("config.json", "config.json")
     config = read_config(root)
     index, files = _shard_files(root, remote.files if remote is not None else None)
@@ -130,38 +131,6 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
                   commit=commit)
 
 
-class _Inside:
-    """Where a source's files may resolve to: the checkpoint directory, and for a Hub cache snapshot the repo's
-    ``blobs/`` folder (``snapshots/<sha>/../../blobs``)."""
-
-    def __init__(self, root: Path, enabled: bool = True):
-        self.root = root
-        self.enabled = enabled
-        real = root.resolve()
-        self.allowed = [real]
-        blobs = real.parent.parent / "blobs"
-        if real.parent.name == "snapshots" and blobs.is_dir():
-            self.allowed.append(blobs.resolve())
-
-    def check(self, rel: str, what: str) -> None:
-        """Refuse ``root/rel`` if it resolves outside the allowed folders (a link out), naming it and its target.
-
-        Raises:
-            SourceError: ``{what} resolves to TARGET, outside the checkpoint directory``.
-        """
-        if not self.enabled:
-            return
-        p = self.root / rel
-        try:
-            real = p.resolve()
-        except (OSError, RuntimeError) as e:  # a symlink loop
-            raise SourceError(f"{what} cannot be resolved ({e.strerror if isinstance(e, OSError) else e})",
-                              file=str(p)) from None
-        if not any(real.is_relative_to(a) for a in self.allowed):
-            raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
-                              hint="copy the file into the checkpoint directory instead of linking to it")
-
-
 def refuse_links_out(root: Path) -> None:
     """Refuse a symbolic link under ``root`` that resolves outside it (for a Hub cache snapshot, outside it and its
     repo's ``blobs/``), naming the first; no link is followed to find them.
@@ -169,7 +138,7 @@ def refuse_links_out(root: Path) -> None:
     Raises:
         SourceError: ``a symbolic link resolves to TARGET, outside the checkpoint directory``.
     """
-    inside = _Inside(root)
+    inside = Inside(root)
     for rel in files.links(root):
         inside.check(rel, "a symbolic link")
 
@@ -311,7 +280,7 @@ def _in_threads(fn: Callable[[str], Shard], files: list[str], threads: int = 8):
                 f.cancel()
 
 
-def _side_files(root: Path, shards: set[str], inside: _Inside | None = None) -> tuple[list[str], list[str]]:
+def _side_files(root: Path, shards: set[str], inside: Inside | None = None) -> tuple[list[str], list[str]]:
     """(files to copy, weight files in other formats that are not copied), relative paths, sorted. Each file to copy
     must stay inside the checkpoint directory (``inside``); a link to a missing file is refused."""
     side, skipped = [], []

@@ -213,3 +213,36 @@ def test_the_command_line_starts_hashing_the_source_before_torch(src, tmp_path):
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert seen == [[False, 1 + len(list(src.glob("*.safetensors")))]], seen
     assert (tmp_path / "out" / "expq.json").is_file()
+
+
+EARLY_LINK_OUT = """
+import json, sys
+import expq.io.early_hash as eh
+seen, hashed = [], []
+start, sha = eh.start, eh.sha256_regular
+eh.start = lambda root, *a, **k: seen.append(start(root, *a, **k)) or seen[-1]
+eh.sha256_regular = lambda path, *a, **k: hashed.append(str(path)) or sha(path, *a, **k)
+from expq.cli import main
+sys.argv = ["expq", "convert", sys.argv[1], sys.argv[2], "--device", "cpu"]
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+print(json.dumps([code, seen, hashed]))
+"""
+
+
+def test_the_command_line_never_reads_a_file_linked_out_of_the_checkpoint(src, tmp_path):
+    """A shard that is a link to a file outside the checkpoint directory is refused by the conversion before it
+    reads any byte of it (``source.open_source``); the hashing the command line starts while torch imports must not
+    read it either (nor any other file of that source: the conversion stops anyway)."""
+    shard = max(src.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    outside = tmp_path / "elsewhere.bin"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    r = subprocess.run([sys.executable, "-c", EARLY_LINK_OUT, str(src), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=300)
+    code, seen, hashed = json.loads(r.stdout.strip().splitlines()[-1])
+    assert code == 1 and "outside the checkpoint directory" in r.stderr, r.stderr[-2000:]
+    assert seen == [0] and hashed == [], (seen, hashed)
+    assert not (tmp_path / "out").exists()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ExpqError
+from .files import Inside
 from .index import INDEX_NAME, read_index, weight_files
 from .regular import sha256_regular
 
@@ -59,14 +60,18 @@ def start(root: str | Path, threads: int | None = None) -> int:
     queues them only, for ``take`` to hand back).
 
     Returns:
-        how many files were queued: 0 when ``root`` is not a directory whose shards can be told (no error is
-        raised: the conversion reports it).
+        how many files were queued: 0 when ``root`` is not a directory whose shards can be told, or one of those
+        files resolves outside it (``files.Inside``: the conversion refuses to read it; no error is raised: the
+        conversion reports it).
     """
     try:
         root = Path(root)
         names = os.listdir(root)
         index = read_index(root / INDEX_NAME) if INDEX_NAME in names else None
         rels = ["config.json", *weight_files(names, index)]
+        inside = Inside(root)
+        for rel in rels:  # a file the conversion refuses to read (a link out of the checkpoint) is never read
+            inside.check(rel, rel)
         files = [(os.stat(root / rel), root / rel) for rel in rels]
     except (OSError, ExpqError, ValueError):
         return 0

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import UsageError
+from ..errors import SourceError, UsageError
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 WRITER, COMMIT = 0, 1  # the lock file's bytes: see the module docstring
@@ -39,6 +39,38 @@ _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP)
 class LinkRefused(UsageError):
     """A name expq would create, open, rename or delete is a symbolic link (or not the kind of entry expq makes
     there): refused, naming it and what it points to (exit status 2)."""
+
+
+class Inside:
+    """Where a source's files may resolve to: the checkpoint directory, and for a Hub cache snapshot the repo's
+    ``blobs/`` folder (``snapshots/<sha>/../../blobs``)."""
+
+    def __init__(self, root: Path, enabled: bool = True):
+        self.root = root
+        self.enabled = enabled
+        real = root.resolve()
+        self.allowed = [real]
+        blobs = real.parent.parent / "blobs"
+        if real.parent.name == "snapshots" and blobs.is_dir():
+            self.allowed.append(blobs.resolve())
+
+    def check(self, rel: str, what: str) -> None:
+        """Refuse ``root/rel`` if it resolves outside the allowed folders (a link out), naming it and its target.
+
+        Raises:
+            SourceError: ``{what} resolves to TARGET, outside the checkpoint directory``.
+        """
+        if not self.enabled:
+            return
+        p = self.root / rel
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop
+            raise SourceError(f"{what} cannot be resolved ({e.strerror if isinstance(e, OSError) else e})",
+                              file=str(p)) from None
+        if not any(real.is_relative_to(a) for a in self.allowed):
+            raise SourceError(f"{what} resolves to {real}, outside the checkpoint directory", file=str(p),
+                              hint="copy the file into the checkpoint directory instead of linking to it")
 
 
 def lstat(path: Path) -> os.stat_result | None:
