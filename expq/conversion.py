@@ -18,6 +18,7 @@ from .errors import ExpqError, Interrupted, SourceError, UsageError, option, res
 from .formats import FORMATS
 from .interrupts import as_interrupted, interrupted_outside_run
 from .layouts import Layout
+from .io import files
 from .io.hashing import sha256_file
 from .io.index import INDEX_NAME, index_json
 from .manifest import CONFIG, MANIFEST, FileRecord, Manifest
@@ -219,8 +220,7 @@ def source_stamps(src: Source) -> dict[str, tuple]:
         return {}
     out = {}
     for rel in ["config.json", *(sh.file for sh in src.shards), *src.side_files]:
-        st = (src.root / rel).stat()
-        out[rel] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        out[rel] = files.stamp((src.root / rel).stat())
     return out
 
 

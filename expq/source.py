@@ -20,7 +20,7 @@ from .errors import SourceError
 from .io import files
 from .io.files import Inside
 from .io.regular import check_regular, read_regular
-from .io.index import INDEX_NAME, Index, check_index, is_weight_file, read_index, weight_files
+from .io.index import INDEX_NAME, check_index, is_weight_file, shard_files
 from .io.safetensors import Shard, TensorInfo, json_kind, printable_name, read_header, read_tensor
 from .options import check_source, is_repo_id  # noqa: F401  (is_repo_id: source.is_repo_id, as before)
 
@@ -115,7 +115,7 @@ def open_source(root: str | Path, *, repo_id: str | None = None, revision: str |
     inside = Inside(root, enabled=not allow_outside_links)
     inside.check("config.json", "config.json")
     config = read_config(root)
-    index, files = _shard_files(root, remote.files if remote is not None else None)
+    index, files = shard_files(root, remote.files if remote is not None else None)
     what = f"listed in {INDEX_NAME}, but" if index is not None else "weights file"
     if index is not None:
         inside.check(INDEX_NAME, INDEX_NAME)
@@ -223,20 +223,6 @@ def check_config_types(config: dict, cfg_path: Path | str = "config.json") -> No
         if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
             raise SourceError(f"{prefix}architectures must be a list of strings, got {json_kind(archs)}",
                               file=str(cfg_path))
-
-
-def _shard_files(root: Path, remote: list[str] | None = None) -> tuple[Index | None, list[str]]:
-    """(the index or None, the shard files in name order: ``io.index.weight_files``'s rule over the directory).
-    Without an index, ``remote`` (the weight files of a streamed source, not on disk yet) stands for what the
-    directory would hold."""
-    names = sorted(p.name for p in root.iterdir())
-    index = read_index(root / INDEX_NAME) if INDEX_NAME in names else None
-    if index is None and remote is not None and len(remote) == 1:
-        return None, list(remote)
-    try:
-        return index, weight_files(names, index)
-    except SourceError as e:
-        raise SourceError(e.message, file=str(root)) from None
 
 
 def _read_shards(root: Path, files: list[str], remote: Callable[[str], Shard] | None = None

@@ -4,9 +4,8 @@
 Before the conversion can start, the command line imports torch, which takes seconds (2.5 s on the 2-core runner,
 3.5-4.5 s on the H200 host) on one core, the others idle. ``start`` hashes config.json and the shards then, biggest
 first, on threads of their own (sha256 releases the GIL); ``take`` gives ``local_identity`` a file's result when the
-file is still as it was when hashed (size, modification and change times, inode: the stamps that
-``conversion.source_stamps`` compares), waits for a file being hashed, and hands a file not yet started back to the
-caller to hash itself, so that after start-up every identity thread works. A file that changed, failed or was never
+file is still as it was when hashed (``io.files.stamp``, what ``conversion.source_stamps`` compares), waits for a
+file being hashed, and hands a file not yet started back to the caller to hash itself, so that after start-up every identity thread works. A file that changed, failed or was never
 queued is hashed again by ``local_identity``, which then reports any problem in its usual place.
 
 Imports nothing that imports torch: the command line calls ``start`` before its first import of torch.
@@ -20,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ExpqError
-from .files import Inside
-from .index import INDEX_NAME, read_index, weight_files
+from .files import Inside, stamp
+from .index import shard_files
 from .regular import sha256_regular
 
 MAX_THREADS = 8
@@ -31,11 +30,6 @@ MAX_THREADS = 8
 def identity_threads() -> int:
     """Threads that hash a local source: one per core, at most ``MAX_THREADS``."""
     return max(1, min(MAX_THREADS, os.cpu_count() or 1))
-
-
-def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
-    """(size, mtime_ns, ctime_ns, inode): what says a file is still the one that was hashed."""
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 @dataclass
@@ -56,7 +50,7 @@ _threads: list[threading.Thread] = []
 
 def start(root: str | Path, threads: int | None = None) -> int:
     """Start hashing ``root``'s config.json and shards (those its index names, else its one safetensors file:
-    ``io.index.weight_files``), the biggest first, on ``threads`` daemon threads (default ``identity_threads``; 0
+    ``io.index.shard_files``), the biggest first, on ``threads`` daemon threads (default ``identity_threads``; 0
     queues them only, for ``take`` to hand back).
 
     Returns:
@@ -66,9 +60,7 @@ def start(root: str | Path, threads: int | None = None) -> int:
     """
     try:
         root = Path(root)
-        names = os.listdir(root)
-        index = read_index(root / INDEX_NAME) if INDEX_NAME in names else None
-        rels = ["config.json", *weight_files(names, index)]
+        rels = ["config.json", *shard_files(root)[1]]
         inside = Inside(root)
         for rel in rels:  # a file the conversion refuses to read (a link out of the checkpoint) is never read
             inside.check(rel, rel)

@@ -73,6 +73,13 @@ class Inside:
                               hint="copy the file into the checkpoint directory instead of linking to it")
 
 
+def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, ctime_ns, inode) of a stat result: what says a file is still the one that was read (a
+    write changes the size or the times, even one that puts the modification time back; a rename over it, the
+    inode)."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
 def lstat(path: Path) -> os.stat_result | None:
     """``os.lstat``, or None when nothing is there (nor can be: a part of the path is a file)."""
     try:

@@ -76,6 +76,25 @@ def read_index(path: Path) -> Index:
     return Index(weight_map, meta.get("total_size") if isinstance(meta, dict) else None)
 
 
+def shard_files(root: Path, remote: list[str] | None = None) -> tuple[Index | None, list[str]]:
+    """(the index or None, the shard files in name order): ``weight_files``'s rule over the directory ``root``.
+    Without an index, ``remote`` (the weight files of a streamed source, not on disk yet) stands for what the
+    directory would hold.
+
+    Raises:
+        SourceError: as ``read_index`` (naming the index) and ``weight_files`` (naming ``root``); OSError: ``root``
+            cannot be listed.
+    """
+    names = sorted(p.name for p in root.iterdir())
+    index = read_index(root / INDEX_NAME) if INDEX_NAME in names else None
+    if index is None and remote is not None and len(remote) == 1:
+        return None, list(remote)
+    try:
+        return index, weight_files(names, index)
+    except SourceError as e:
+        raise SourceError(e.message, file=str(root)) from None
+
+
 def weight_files(paths: Iterable[str], index: Index | None) -> list[str]:
     """The files that hold a checkpoint's weights, sorted: the shards its index names (when ``paths`` holds the
     index; none when the index could not be read), else ``model.safetensors``, else the one ``*.safetensors`` file
